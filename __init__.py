@@ -1,0 +1,1 @@
+"""rollfleet: the inference side of LLM reinforcement learning, without Ray."""

@@ -1,0 +1,318 @@
+"""Clients: LLMClient (in the supervisor's process) and RemoteClient (over the frontend socket).
+
+Both have the same methods. ``generate`` awaits the whole result; ``stream`` yields
+StreamChunk objects and returns when the request ends (its result is then available as
+the generator's ``result`` attribute via ``stream_with_result``). Cancelling the awaiting
+task (``asyncio.timeout``, ``wait_for``) stops the request on its worker too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..errors import FleetClosed, RequestTimeout, RolloutError, from_code
+from ..transport import codec
+from ..transport.messages import Abort, Chunk, Control, Error, Generate, Message, Reply, Result, SamplingParams, Stats
+from ..transport.sockets import SocketOptions, make_socket
+from .result import GenerationResult, StreamChunk
+
+__all__ = ["LLMClient", "RemoteClient"]
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if sampling_params is None:
+        return SamplingParams()
+    if isinstance(sampling_params, dict):
+        return SamplingParams.from_wire(sampling_params)
+    return sampling_params
+
+
+class _Base:
+    """Shared generate/stream logic over a per-request message queue."""
+
+    # ---- hooks: override in a subclass to build abort policies, metrics, ...
+    def on_dispatch(self, request_id: str) -> None:
+        """Called when a request has been handed to the fleet."""
+
+    def on_complete(self, result: GenerationResult) -> None:
+        """Called with every finished result (including aborted ones)."""
+
+    def on_cancel(self, request_id: str) -> None:
+        """Called when the caller's task was cancelled (or timed out) before the result."""
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        session_id: str | None = None,
+        resume: bool | None = None,
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """Generate and return the whole result.
+
+        Raises DuplicateRequest, Overloaded, InvalidRequest (bad input), EngineFailed,
+        WorkerLost (worker died and the request was not resumed), ResumeExhausted,
+        RequestTimeout (``timeout`` passed; the request is aborted on its worker),
+        FleetClosed.
+        """
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+
+        def sink(msg: Message) -> None:
+            if not fut.done() and isinstance(msg, (Result, Error)):
+                fut.set_result(msg)
+
+        await self._submit(request_id, list(prompt_ids), _params(sampling_params), sink, False, session_id, resume)
+        self.on_dispatch(request_id)
+        done = False
+        try:
+            if timeout is None:
+                msg = await fut
+            else:
+                try:
+                    msg = await asyncio.wait_for(fut, timeout)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"request {request_id!r} timed out after {timeout}s",
+                                         request_id=request_id) from None
+            done = True
+        finally:
+            if not done:
+                self.on_cancel(request_id)
+                self._cancel(request_id)
+        if isinstance(msg, Error):
+            raise from_code(msg.code, msg.message, request_id)
+        result = GenerationResult.from_message(msg)  # type: ignore[arg-type]
+        self.on_complete(result)
+        return result
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        session_id: str | None = None,
+        resume: bool | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamChunk | GenerationResult]:
+        """Yield StreamChunk objects as tokens arrive, then the final GenerationResult.
+
+        Raises like ``generate``. Closing the iterator early aborts the request.
+        """
+        async for item in self._run(request_id, prompt_ids, sampling_params, True, session_id, resume, timeout):
+            yield item
+
+    async def _run(self, request_id: str, prompt_ids: list[int], sampling_params: Any, stream: bool,
+                   session_id: str | None, resume: bool | None, timeout: float | None
+                   ) -> AsyncIterator[StreamChunk | GenerationResult]:
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        await self._submit(request_id, list(prompt_ids), _params(sampling_params), queue.put_nowait,
+                           stream, session_id, resume)
+        self.on_dispatch(request_id)
+        done = False
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            while True:
+                if deadline is None:
+                    msg = await queue.get()
+                else:
+                    try:
+                        msg = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                    except asyncio.TimeoutError:
+                        raise RequestTimeout(f"request {request_id!r} timed out after {timeout}s",
+                                             request_id=request_id) from None
+                if isinstance(msg, Chunk):
+                    yield StreamChunk(list(msg.token_ids), msg.logprobs, msg.weight_version)
+                elif isinstance(msg, Result):
+                    done = True
+                    result = GenerationResult.from_message(msg)
+                    self.on_complete(result)
+                    yield result
+                    return
+                elif isinstance(msg, Error):
+                    done = True
+                    raise from_code(msg.code, msg.message, request_id)
+        finally:
+            if not done:
+                self.on_cancel(request_id)
+                self._cancel(request_id)
+
+    # ---- transport-specific
+    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Any,
+                      stream: bool, session_id: str | None, resume: bool | None) -> None:
+        raise NotImplementedError
+
+    def _cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+
+class LLMClient(_Base):
+    """Async client in the supervisor's own process (no socket hop)."""
+
+    def __init__(self, supervisor: Any):
+        self.supervisor = supervisor
+
+    async def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+        self.supervisor.submit("local", request_id, prompt_ids, params, sink,
+                               stream=stream, session_id=session_id, resume=resume)
+
+    def _cancel(self, request_id: str) -> None:
+        if not self.supervisor.closed:
+            self.supervisor.cancel("local", request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort one request; its generate() returns a result with finish_reason 'abort'.
+        Returns False when no such request is in flight."""
+        return self.supervisor.abort("local", request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.supervisor.stats()
+
+    async def control(self, op: str, **args: Any) -> dict[str, Any]:
+        """Raises Unsupported when an engine lacks ``op``."""
+        return await self.supervisor.control(op, args)
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        return await self.control("sleep", level=level)
+
+    async def wake_up(self) -> dict[str, Any]:
+        return await self.control("wake_up")
+
+    async def clear_kv_cache(self) -> dict[str, Any]:
+        return await self.control("clear_kv_cache")
+
+    async def start_profile(self, trace_dir: str) -> dict[str, Any]:
+        return await self.control("start_profile", trace_dir=trace_dir)
+
+    async def stop_profile(self) -> dict[str, Any]:
+        return await self.control("stop_profile")
+
+    async def update_weights(self, named_tensors: Any, version: int, **kwargs: Any) -> Any:
+        """Push new weights to every worker (see Supervisor.update_weights)."""
+        return await self.supervisor.update_weights(named_tensors, version, **kwargs)
+
+
+class RemoteClient(_Base):
+    """Async client of a fleet's frontend socket, from any process.
+
+    ``async with RemoteClient(address) as client: await client.generate(...)``
+    """
+
+    def __init__(self, address: str, *, curve_keys: tuple[bytes, bytes, bytes] | None = None,
+                 call_timeout_s: float = 60.0):
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=SocketOptions(),
+                                 curve_client_keys=curve_keys)
+        self._sinks: dict[str, Any] = {}
+        self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> "RemoteClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except BaseException:
+                pass
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _ensure_reader(self) -> None:
+        if self._closed:
+            raise FleetClosed("client is closed")
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = codec.decode(frames[:1])
+            except codec.DecodeError as exc:
+                logger.warning("bad message from the fleet: %s", exc)
+                continue
+            if isinstance(msg, (Reply, Error)) and msg.id in self._calls:
+                fut = self._calls.pop(msg.id)
+                if not fut.done():
+                    if isinstance(msg, Reply):
+                        fut.set_result(msg.data)
+                    else:
+                        fut.set_exception(from_code(msg.code, msg.message, msg.request_id))
+                continue
+            sink = self._sinks.get(msg.id)
+            if sink is not None:
+                sink(msg)
+                if isinstance(msg, (Result, Error)):
+                    self._sinks.pop(msg.id, None)
+
+    async def _send(self, msg: Message) -> None:
+        # (header,)
+        await self._sock.send(codec.encode(msg))
+
+    async def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+        self._ensure_reader()
+        if request_id in self._sinks:
+            from ..errors import DuplicateRequest
+
+            raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
+        self._sinks[request_id] = sink
+        await self._send(Generate(id=request_id, prompt_ids=prompt_ids, sampling=params, stream=stream,
+                                  session_id=session_id, resume=resume))
+
+    def _cancel(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None and not self._closed:
+            # fire and forget: the request is gone for this caller either way
+            self._sock.send(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
+
+    async def _call(self, msg: Message) -> dict[str, Any]:
+        self._ensure_reader()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._calls[msg.id] = fut
+        try:
+            await self._send(msg)
+            return await asyncio.wait_for(fut, self.call_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no answer to {msg.TYPE.value} within {self.call_timeout_s}s") from None
+        finally:
+            self._calls.pop(msg.id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        try:
+            await self._call(Abort(id=f"a{next(self._ids)}", request_id=request_id))
+            return True
+        except RolloutError as exc:
+            if exc.code == "unknown_request":
+                return False
+            raise
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._call(Stats(id=f"s{next(self._ids)}"))
+
+    async def control(self, op: str, **args: Any) -> dict[str, Any]:
+        return await self._call(Control(id=f"c{next(self._ids)}", op=op, args=args))

@@ -1,0 +1,95 @@
+"""Configuration of a fleet, owned by the Supervisor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engines import ENGINE_NAMES
+
+__all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS"]
+
+# Variables that select a device for a worker process, by accelerator kind.
+DEVICE_ENV_VARS = {
+    "cuda": "CUDA_VISIBLE_DEVICES",
+    "npu": "ASCEND_RT_VISIBLE_DEVICES",
+    "rocm": "HIP_VISIBLE_DEVICES",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class RestartPolicy:
+    max_restarts: int = 5
+    """Most restarts of one worker within ``window_s``; beyond that it stays dead."""
+    window_s: float = 300.0
+    """Length of the sliding window for max_restarts."""
+    backoff_s: float = 0.5
+    """Delay before the first restart; doubles with each restart in the window."""
+    max_backoff_s: float = 10.0
+    """Upper bound of the delay."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("window_s must be > 0 and backoffs >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetConfig:
+    engine: str = "torch"
+    """Engine of every worker: echo, torch, vllm or sglang."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the engine adapter (model path, dtype, ...)."""
+    num_workers: int = 1
+    """Worker processes to start."""
+    devices: list[str] | None = None
+    """Device of each worker, e.g. ['cuda:0', 'cuda:1'] or ['cpu']*2; None: cpu."""
+    worker_addr: str | None = None
+    """Address the worker socket binds; None: ipc:// in the private directory."""
+    frontend_addr: str | None = "tcp://127.0.0.1:0"
+    """Client-facing ROUTER address; None disables it. Port 0 picks a free port."""
+    start_timeout_s: float = 120.0
+    """How long a worker may take to start its engine and register."""
+    heartbeat_interval_s: float = 1.0
+    """How often workers send heartbeats."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker silent this long is considered hung and is killed."""
+    shutdown_timeout_s: float = 10.0
+    """Grace period for workers to exit before they are terminated, then killed."""
+    call_timeout_s: float = 60.0
+    """Timeout of control calls to workers (stats, sleep, ...)."""
+    resume: bool = True
+    """Default for requests: resume after a weight update or a dead worker (else hard abort)."""
+    max_resume_attempts: int = 8
+    """Most times one request is interrupted and resumed before it fails with ResumeExhausted."""
+    max_inflight_per_client: int = 100_000
+    """Requests one client may have in flight; more are refused with 'overloaded'."""
+    restart: RestartPolicy | None = field(default_factory=RestartPolicy)
+    """How dead workers are restarted; None: never."""
+    max_message_bytes: int = 1 << 30
+    """Largest message accepted on any socket."""
+    deterministic_routing: bool = False
+    """Tie-break by worker order instead of randomly (tests)."""
+    private_dir_root: str | None = None
+    """Where the fleet's private directory is created; None: the system temp dir."""
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for worker processes."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_NAMES:
+            raise ValueError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.devices is not None and len(self.devices) != self.num_workers:
+            raise ValueError(f"devices has {len(self.devices)} entries for {self.num_workers} workers")
+        for name in ("start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
+            raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
+
+    def device_of(self, index: int) -> str:
+        return self.devices[index] if self.devices else "cpu"

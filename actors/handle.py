@@ -1,0 +1,136 @@
+"""The supervisor's view of one worker: its process, state, and pending calls."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import RequestTimeout, WorkerLost, from_code
+from ..transport.messages import Message
+from .process import WorkerProcess
+
+__all__ = ["WorkerState", "WorkerHandle"]
+
+_call_ids = itertools.count(1)
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # no new requests (weight update, shutdown)
+    DEAD = "dead"
+
+
+class WorkerHandle:
+    """One incarnation of a worker. A restart creates a new handle with a new id."""
+
+    def __init__(self, *, index: int, generation: int, device: str, proc: WorkerProcess,
+                 send: Callable[["WorkerHandle", Message], None]):
+        self.index = index
+        self.generation = generation
+        self.worker_id = proc.worker_id
+        self.identity = self.worker_id.encode()
+        self.device = device
+        self.proc = proc
+        self.state = WorkerState.STARTING
+        self.registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.engine = ""
+        self.host = ""
+        self.pid = proc.pid
+        self.capabilities: list[str] = []
+        self.weight_version = 0
+        self.num_tokens = 0
+        self.last_heartbeat = time.monotonic()
+        self.last_error = ""
+        self.started_at = time.monotonic()
+        self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._send = send
+        self._last_descendant_scan = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.state is not WorkerState.DEAD
+
+    # ---- request/reply calls (control, stats, weights). Implements weights' WorkerLink.
+    def next_call_id(self) -> str:
+        return f"c{next(_call_ids)}"
+
+    async def call(self, msg: Message, timeout: float | None = None) -> dict[str, Any]:
+        """Send ``msg`` and wait for its reply's data. Raises the wire error as a RolloutError,
+        WorkerLost if the worker dies first, RequestTimeout after ``timeout`` seconds."""
+        if not self.alive:
+            raise WorkerLost(f"worker {self.worker_id} is dead")
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[msg.id] = fut
+        try:
+            self._send(self, msg)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"worker {self.worker_id} did not answer {msg.TYPE.value} in {timeout}s") from None
+        finally:
+            self._pending.pop(msg.id, None)
+
+    def resolve(self, call_id: str, data: dict[str, Any] | None, error: tuple[str, str] | None = None) -> bool:
+        fut = self._pending.get(call_id)
+        if fut is None or fut.done():
+            return False
+        if error is not None:
+            fut.set_exception(from_code(error[0], f"worker {self.worker_id}: {error[1]}"))
+        else:
+            fut.set_result(data or {})
+        return True
+
+    def fail_calls(self, reason: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerLost(f"worker {self.worker_id} died: {reason}"))
+        self._pending.clear()
+
+    def on_heartbeat(self, weight_version: int, num_tokens: int) -> None:
+        now = time.monotonic()
+        self.last_heartbeat = now
+        self.weight_version = weight_version
+        self.num_tokens = num_tokens
+        if now - self._last_descendant_scan > 5.0:
+            self._last_descendant_scan = now
+            self.proc.remember_descendants()
+
+    def describe(self, num_inflight: int, restarts: int) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "index": self.index,
+            "state": self.state.value,
+            "pid": self.pid,
+            "device": self.device,
+            "host": self.host,
+            "engine": self.engine,
+            "capabilities": list(self.capabilities),
+            "num_inflight": num_inflight,
+            "num_tokens": self.num_tokens,
+            "weight_version": self.weight_version,
+            "restarts": restarts,
+            "last_error": self.last_error,
+        }
+
+
+class RestartTracker:
+    """Restart times of one worker slot, for the sliding-window policy."""
+
+    def __init__(self) -> None:
+        self.times: deque[float] = deque()
+        self.total = 0
+
+    def recent(self, window_s: float) -> int:
+        now = time.monotonic()
+        while self.times and now - self.times[0] > window_s:
+            self.times.popleft()
+        return len(self.times)
+
+    def record(self) -> None:
+        self.times.append(time.monotonic())
+        self.total += 1

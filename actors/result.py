@@ -1,0 +1,71 @@
+"""What a caller gets back from a generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..transport.messages import Result
+
+__all__ = ["GenerationResult", "StreamChunk"]
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    """Every generated token, across all resumed segments."""
+    finish_reason: str
+    """'stop', 'length' or 'abort'."""
+    logprobs: list[float] | None = None
+    weight_versions: list[int] = field(default_factory=list)
+    """Weight version of each segment that produced tokens, in order."""
+    num_preemptions: int = 0
+    worker: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def min_version(self) -> int | None:
+        return min(self.weight_versions) if self.weight_versions else None
+
+    @property
+    def max_version(self) -> int | None:
+        return max(self.weight_versions) if self.weight_versions else None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+    @classmethod
+    def from_message(cls, msg: Result) -> "GenerationResult":
+        return cls(
+            request_id=msg.id,
+            token_ids=list(msg.token_ids),
+            finish_reason=msg.finish_reason,
+            logprobs=list(msg.logprobs) if msg.logprobs is not None else None,
+            weight_versions=list(msg.weight_versions),
+            num_preemptions=msg.num_preemptions,
+            worker=msg.worker,
+            timings=dict(msg.timings),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+            "weight_versions": self.weight_versions,
+            "num_preemptions": self.num_preemptions,
+            "worker": self.worker,
+            "timings": self.timings,
+        }
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """New tokens of a streamed request."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    weight_version: int

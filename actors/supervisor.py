@@ -1,0 +1,743 @@
+"""The Supervisor: spawns and watches engine workers, routes requests, serves clients.
+
+It runs on the caller's asyncio loop (a trainer process, a script) and wires together:
+WorkerProcess (spawn/kill), WorkerHandle (per-worker state and calls), Router (policy),
+InflightTable (request state), and two ROUTER sockets: one for workers, one for outside
+clients (the frontend). Socket reads run in their own tasks; everything else is callbacks
+on the loop, so the tables need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from ..errors import (
+    FleetClosed,
+    Overloaded,
+    ResumeExhausted,
+    RolloutError,
+    Unsupported,
+    WorkerLost,
+    WorkerStartError,
+)
+from ..transport import codec
+from ..transport.messages import (
+    CONTROL_OPS,
+    Abort,
+    Chunk,
+    Control,
+    Error,
+    FinishReason,
+    Generate,
+    Heartbeat,
+    Message,
+    Register,
+    Reply,
+    Result,
+    SamplingParams,
+    Shutdown,
+    Stats,
+    WorkerExit,
+)
+from ..transport.aio import LoopSocket
+from ..transport.sockets import SocketOptions, make_socket
+from .config import FleetConfig
+from .handle import RestartTracker, WorkerHandle, WorkerState
+from .inflight import Entry, InflightTable, State
+from .process import WorkerProcess, device_env
+from .router import Router
+
+__all__ = ["Supervisor"]
+
+logger = logging.getLogger(__name__)
+
+LOCAL = "local"
+
+
+class Supervisor:
+    """Owns the worker processes and every request in flight.
+
+    Use as ``async with Supervisor(config) as sup: client = sup.client()``.
+    """
+
+    def __init__(self, config: FleetConfig | None = None, **overrides: Any):
+        if config is None:
+            config = FleetConfig(**overrides)
+        elif overrides:
+            raise ValueError("pass either a FleetConfig or keyword overrides, not both")
+        self.config = config
+        self.router = Router(deterministic=config.deterministic_routing)
+        self.table = InflightTable()
+        self.workers: dict[str, WorkerHandle] = {}  # worker id -> handle (live incarnations)
+        self.slots: dict[int, WorkerHandle] = {}  # index -> current incarnation
+        self.weight_version = 0
+        self.private_dir: str | None = None
+        self.worker_address = ""
+        self.frontend_address: str | None = None
+        self.counters = {"completed": 0, "aborted": 0, "failed": 0, "resumed": 0, "cancelled": 0}
+        self._restarts: dict[int, RestartTracker] = {}
+        self._pending: deque[Entry] = deque()
+        self._per_origin: dict[str, int] = {}
+        self._ctx: zmq.Context | None = None
+        self._wsock: Any = None
+        self._fsock: Any = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = False
+        self._closing = False
+        self._closed = False
+        self._max_bytes = config.max_message_bytes
+        self._paused = False  # a weight update holds new dispatches
+        self.weights: Any = None  # set by the weights integration (WeightSync)
+
+    # ================================================================== lifecycle
+    async def __aenter__(self) -> "Supervisor":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Spawn every worker and wait until all have registered.
+
+        Raises WorkerStartError (with the tail of the worker's output) when one fails or
+        does not register within ``start_timeout_s``; the fleet is then shut down.
+        """
+        if self._started:
+            raise RuntimeError("supervisor already started")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config
+        try:
+            self.private_dir = tempfile.mkdtemp(prefix="rollfleet-", dir=cfg.private_dir_root)
+            os.chmod(self.private_dir, 0o700)
+            self._ctx = zmq.Context()
+            opts = SocketOptions(max_message_bytes=cfg.max_message_bytes)
+            self.worker_address = cfg.worker_addr or f"ipc://{self.private_dir}/workers.sock"
+            sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts)
+            self._wsock = LoopSocket(sock, self._on_worker_frames)
+            self.worker_address = sock.LAST_ENDPOINT.decode()
+            if cfg.frontend_addr:
+                sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts)
+                self._fsock = LoopSocket(sock, self._on_frontend_frames)
+                self.frontend_address = sock.LAST_ENDPOINT.decode()
+            self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]
+            for index in range(cfg.num_workers):
+                self._restarts[index] = RestartTracker()
+                self._spawn(index)
+            await self._wait_registered(list(self.slots.values()))
+        except BaseException:
+            await self.shutdown()
+            raise
+        logger.info("fleet of %d %s workers ready in %s", cfg.num_workers, cfg.engine, self.private_dir)
+
+    def _spawn(self, index: int) -> WorkerHandle:
+        cfg = self.config
+        generation = self._restarts[index].total
+        worker_id = f"w{index}-{generation}"
+        assert self.private_dir is not None
+        device = cfg.device_of(index)
+        engine_options = dict(cfg.engine_options)
+        engine_options.setdefault("private_dir", self.private_dir)
+        engine_options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
+        env = dict(cfg.worker_env)
+        env.update(device_env(device))
+        proc = WorkerProcess(
+            worker_id,
+            {
+                "worker_id": worker_id,
+                "addr": self.worker_address,
+                "engine": cfg.engine,
+                "engine_options": engine_options,
+                "device": device,
+                "heartbeat_interval_s": cfg.heartbeat_interval_s,
+                "max_message_bytes": cfg.max_message_bytes,
+                "private_dir": self.private_dir,
+                "weight_version": 0,
+                "log_level": logging.getLevelName(logging.getLogger("rollfleet").getEffectiveLevel()),
+            },
+            env,
+            os.path.join(self.private_dir, f"{worker_id}.log"),
+        )
+        handle = WorkerHandle(index=index, generation=generation, device=device, proc=proc, send=self._send_worker)
+        self.workers[worker_id] = handle
+        self.slots[index] = handle
+        if proc.pidfd is not None:
+            assert self._loop is not None
+            self._loop.add_reader(proc.pidfd, self._on_process_exit, handle)
+        return handle
+
+    async def _wait_registered(self, handles: list[WorkerHandle]) -> None:
+        timeout = self.config.start_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.registered for h in handles)), timeout)
+        except asyncio.TimeoutError:
+            late = [h for h in handles if not h.registered.done()]
+            h = late[0]
+            raise WorkerStartError(
+                f"worker {h.worker_id} did not register within {timeout}s; its output ends with:\n"
+                f"{h.proc.stderr_tail()}"
+            ) from None
+
+    async def shutdown(self) -> None:
+        """Stop every worker and release every resource. Idempotent; safe on a half-started fleet."""
+        if self._closed or self._closing:
+            return
+        self._closing = True
+        try:
+            for entry in list(self.table):
+                self._fail(entry, FleetClosed("the fleet is shutting down"))
+            handles = [h for h in self.workers.values() if h.alive]
+            for h in handles:
+                try:
+                    self._send_worker(h, Shutdown(id="shutdown"))
+                except Exception:
+                    pass
+            deadline = time.monotonic() + self.config.shutdown_timeout_s
+            while any(h.proc.alive() for h in handles) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for h in handles:
+                if h.proc.alive():
+                    h.proc.terminate()
+            deadline = time.monotonic() + 2.0
+            while any(h.proc.alive() for h in handles) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for h in list(self.workers.values()):
+                self._retire(h, "fleet shut down")
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                try:
+                    await task
+                except BaseException:
+                    pass
+            for lsock in (self._wsock, self._fsock):
+                if lsock is not None:
+                    lsock.close(linger=0)
+            if self._ctx is not None:
+                self._ctx.term()
+            if self.private_dir:
+                shutil.rmtree(self.private_dir, ignore_errors=True)
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._closing
+
+    def _check_open(self) -> None:
+        if not self._started or self.closed:
+            raise FleetClosed("the fleet is not running")
+
+    def client(self) -> Any:
+        from .client import LLMClient
+
+        return LLMClient(self)
+
+    # ================================================================== worker death
+    def _on_process_exit(self, handle: WorkerHandle) -> None:
+        code = handle.proc.returncode
+        reason = handle.last_error or f"process exited with code {code}"
+        self._on_worker_dead(handle, reason)
+
+    def _retire(self, handle: WorkerHandle, reason: str) -> None:
+        """Forget a worker incarnation: kill what is left of it and release its fds."""
+        if handle.proc.pidfd is not None and self._loop is not None:
+            self._loop.remove_reader(handle.proc.pidfd)
+        handle.state = WorkerState.DEAD
+        handle.proc.kill()
+        handle.proc.close()
+        handle.fail_calls(reason)
+        self.router.remove_worker(handle.worker_id)
+        self.workers.pop(handle.worker_id, None)
+        if not handle.registered.done():
+            handle.registered.set_exception(
+                WorkerStartError(f"worker {handle.worker_id} died during start-up ({reason}); its output ends with:\n"
+                                 f"{handle.proc.stderr_tail()}")
+            )
+            handle.registered.exception()  # mark retrieved: start() re-raises it when it waits
+
+    def _on_worker_dead(self, handle: WorkerHandle, reason: str) -> None:
+        if handle.worker_id not in self.workers:
+            return
+        was_ready = handle.registered.done() and not handle.registered.exception()
+        logger.log(logging.INFO if self.closed else logging.WARNING,
+                   "worker %s (pid %d) died: %s", handle.worker_id, handle.pid, reason)
+        handle.last_error = reason
+        self._retire(handle, reason)
+        for entry in self.table.on_worker(handle.worker_id):
+            self.table.unbind(entry)
+            if entry.state is State.ABORTING:
+                self._complete(entry, FinishReason.ABORT.value)
+            elif entry.resume:
+                self._preempt(entry)
+            else:
+                self._fail(entry, WorkerLost(f"worker {handle.worker_id} died: {reason}", request_id=entry.request_id))
+        if not self.closed and was_ready:
+            self._schedule_restart(handle.index)
+        self._pump()
+
+    def _schedule_restart(self, index: int) -> None:
+        policy = self.config.restart
+        if policy is None:
+            return
+        tracker = self._restarts[index]
+        recent = tracker.recent(policy.window_s)
+        if recent >= policy.max_restarts:
+            logger.error("worker slot %d restarted %d times in %.0fs; giving up on it", index, recent, policy.window_s)
+            return
+        delay = min(policy.backoff_s * (2**recent), policy.max_backoff_s)
+        tracker.record()
+
+        async def restart() -> None:
+            await asyncio.sleep(delay)
+            if self.closed:
+                return
+            handle = self._spawn(index)
+            try:
+                await self._wait_registered([handle])
+            except WorkerStartError as exc:
+                logger.error("restart of worker slot %d failed: %s", index, exc)
+                self._on_worker_dead(handle, str(exc))
+
+        task = asyncio.create_task(restart(), name=f"rollfleet-restart-{index}")
+        self._tasks.append(task)
+
+    async def _monitor_loop(self) -> None:
+        """Hung workers (missed heartbeats) are killed; the exit path handles the rest."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self._tasks = [t for t in self._tasks if not t.done()]
+            for handle in list(self.workers.values()):
+                if handle.proc.pidfd is None and not handle.proc.alive():
+                    self._on_process_exit(handle)
+                elif handle.state is not WorkerState.STARTING and now - handle.last_heartbeat > self.config.heartbeat_timeout_s:
+                    handle.last_error = f"no heartbeat for {now - handle.last_heartbeat:.1f}s (hung)"
+                    handle.proc.kill()  # the pidfd fires and _on_process_exit follows
+
+    # ================================================================== worker socket
+    def _send_worker(self, handle: WorkerHandle, msg: Message) -> None:
+        # (identity, header)
+        self._wsock.send([handle.identity, codec.encode(msg)])
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        # (identity, header, *buffers)
+        if len(frames) < 2:
+            return
+        identity = frames[0]
+        handle = self.workers.get(identity.decode("utf-8", "replace"))
+        if handle is None:
+            logger.warning("dropped a message from unregistered identity %r", identity[:64])
+            return
+        try:
+            msg = codec.decode(frames[1:2], self._max_bytes)
+        except codec.DecodeError as exc:
+            logger.warning("bad message from worker %s: %s", handle.worker_id, exc)
+            self._send_worker(handle, codec.error_for(exc))
+            return
+        handle.last_heartbeat = time.monotonic()
+        if isinstance(msg, Chunk):
+            self._on_chunk(msg)
+        elif isinstance(msg, Result):
+            self._on_result(handle, msg)
+        elif isinstance(msg, Reply):
+            handle.resolve(msg.id, msg.data)
+        elif isinstance(msg, Error):
+            self._on_worker_error(handle, msg)
+        elif isinstance(msg, Heartbeat):
+            handle.on_heartbeat(msg.weight_version, msg.num_tokens)
+        elif isinstance(msg, Register):
+            self._on_register(handle, msg)
+        elif isinstance(msg, WorkerExit):
+            handle.last_error = msg.reason
+            self.router.set_available(handle.worker_id, False)
+            if not handle.registered.done():
+                handle.registered.set_exception(
+                    WorkerStartError(f"worker {handle.worker_id} failed to start: {msg.reason}\n{handle.proc.stderr_tail()}")
+                )
+        else:
+            self._send_worker(handle, Error(id=msg.id, code="unknown_type", message=f"unexpected {msg.TYPE.value}"))
+
+    def _on_register(self, handle: WorkerHandle, msg: Register) -> None:
+        handle.engine = msg.engine
+        handle.host = msg.host
+        handle.pid = msg.pid
+        handle.capabilities = list(msg.capabilities)
+        handle.weight_version = msg.weight_version
+        self._send_worker(handle, Reply(id=msg.id, data={"worker_id": handle.worker_id}))
+        if self.weights is not None and self.weights.needs_catch_up(handle):
+            # A restarted worker must hold the current weights before it serves.
+            task = asyncio.create_task(self._catch_up(handle), name=f"rollfleet-catch-up-{handle.worker_id}")
+            self._tasks.append(task)
+            return
+        self._mark_ready(handle)
+
+    async def _catch_up(self, handle: WorkerHandle) -> None:
+        try:
+            await self.weights.catch_up(handle)
+        except Exception as exc:
+            logger.error("could not bring worker %s to weight version %d: %s", handle.worker_id, self.weight_version, exc)
+            handle.last_error = f"catch-up failed: {exc}"
+            handle.proc.kill()
+            return
+        self._mark_ready(handle)
+
+    def _mark_ready(self, handle: WorkerHandle) -> None:
+        if not handle.alive:
+            return
+        handle.state = WorkerState.READY
+        self.router.add_worker(handle.worker_id)
+        if self._paused:
+            self.router.set_available(handle.worker_id, False)
+        if not handle.registered.done():
+            handle.registered.set_result(None)
+        self._pump()
+
+    # ================================================================== requests
+    def submit(
+        self,
+        origin: str,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[Message], None],
+        *,
+        stream: bool = False,
+        session_id: str | None = None,
+        resume: bool | None = None,
+    ) -> Entry:
+        """Start a request; its chunks/result/error go to ``sink``.
+
+        Raises FleetClosed, DuplicateRequest, Overloaded, InvalidRequest.
+        """
+        self._check_open()
+        count = self._per_origin.get(origin, 0)
+        if count >= self.config.max_inflight_per_client:
+            raise Overloaded(f"{count} requests in flight for this client (max_inflight_per_client)",
+                             request_id=request_id)
+        entry = Entry(
+            origin=origin,
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params.replace(),  # a private deep copy: callers' objects are never mutated
+            sink=sink,
+            stream=stream,
+            session_id=session_id,
+            resume=self.config.resume if resume is None else resume,
+        )
+        self.table.add(entry)
+        self._per_origin[origin] = count + 1
+        self._pending.append(entry)
+        self._pump()
+        return entry
+
+    def _pump(self) -> None:
+        """Dispatch waiting requests while some worker can take them."""
+        while self._pending and not self._paused:
+            entry = self._pending[0]
+            if entry.state is not State.PENDING or self.table.get(entry.origin, entry.request_id) is not entry:
+                self._pending.popleft()  # finished while waiting
+                continue
+            worker_id = self.router.choose(entry.session_id or entry.request_id)
+            if worker_id is None:
+                return
+            self._pending.popleft()
+            self._dispatch(entry, self.workers[worker_id])
+
+    def _dispatch(self, entry: Entry, handle: WorkerHandle) -> None:
+        inner = self.table.bind(entry, handle.worker_id)
+        self.router.on_dispatch(handle.worker_id)
+        if entry.t_dispatched is None:
+            entry.t_dispatched = time.monotonic()
+        params = entry.params
+        if entry.token_ids:  # a resumed request continues from its partial output
+            params = params.replace(max_tokens=entry.remaining_tokens)
+        msg = Generate(id=inner, prompt_ids=entry.prompt_ids + entry.token_ids, sampling=params, stream=True)
+        try:
+            self._send_worker(handle, msg)
+        except zmq.ZMQError as exc:  # the worker vanished between choose() and send
+            logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
+            self.router.on_finish(handle.worker_id)
+            self.router.set_available(handle.worker_id, False)
+            self.table.unbind(entry)
+            entry.state = State.PENDING
+            self._pending.appendleft(entry)
+            return
+        self.on_dispatch(entry, handle.worker_id)
+
+    def on_dispatch(self, entry: Entry, worker_id: str) -> None:
+        """Hook for tests and subclasses; called after each dispatch (first and resumed)."""
+
+    def _on_chunk(self, msg: Chunk) -> None:
+        entry = self.table.by_inner(msg.id)
+        if entry is None:
+            return  # cancelled or already finished: late tokens are dropped
+        if not msg.token_ids:
+            return
+        if entry.segment_version is None:
+            entry.segment_version = msg.weight_version
+            entry.versions.append(msg.weight_version)
+        if entry.t_first_token is None:
+            entry.t_first_token = time.monotonic()
+        entry.token_ids.extend(msg.token_ids)
+        if entry.params.logprobs:
+            if entry.logprobs is None:
+                entry.logprobs = []
+            entry.logprobs.extend(msg.logprobs or [])
+        if entry.stream:
+            entry.sink(Chunk(id=entry.request_id, token_ids=list(msg.token_ids), logprobs=msg.logprobs,
+                             weight_version=msg.weight_version))
+
+    def _on_result(self, handle: WorkerHandle, msg: Result) -> None:
+        entry = self.table.by_inner(msg.id)
+        if entry is None:
+            return
+        self.router.on_finish(handle.worker_id)
+        streamed = len(entry.token_ids)
+        entry.token_ids[entry.segment_start:] = msg.token_ids
+        if entry.params.logprobs:
+            lp = entry.logprobs or []
+            lp[entry.segment_start:] = msg.logprobs or []
+            entry.logprobs = lp
+        if msg.token_ids and entry.segment_version is None and msg.weight_versions:
+            entry.segment_version = msg.weight_versions[0]
+            entry.versions.append(msg.weight_versions[0])
+        if entry.t_first_token is None and msg.token_ids:
+            entry.t_first_token = time.monotonic()
+        if entry.stream and len(entry.token_ids) > streamed:
+            tail = entry.token_ids[streamed:]
+            entry.sink(Chunk(id=entry.request_id, token_ids=tail,
+                             logprobs=entry.logprobs[streamed:] if entry.logprobs is not None else None,
+                             weight_version=entry.segment_version or 0))
+        self.table.unbind(entry)
+        if msg.finish_reason == FinishReason.ABORT.value and entry.state is State.INTERRUPTED:
+            if entry.remaining_tokens <= 0:
+                self._complete(entry, FinishReason.LENGTH.value)
+            else:
+                self._preempt(entry)
+                self._pump()
+            return
+        self._complete(entry, msg.finish_reason, worker=handle.worker_id)
+
+    def _on_worker_error(self, handle: WorkerHandle, msg: Error) -> None:
+        if handle.resolve(msg.id, None, (msg.code, msg.message)):
+            return
+        entry = self.table.by_inner(msg.id)
+        if entry is None:
+            logger.warning("worker %s: error %s: %s", handle.worker_id, msg.code, msg.message)
+            return
+        self.router.on_finish(handle.worker_id)
+        self.table.unbind(entry)
+        from ..errors import from_code
+
+        self._fail(entry, from_code(msg.code, f"worker {handle.worker_id}: {msg.message}", entry.request_id))
+
+    def _preempt(self, entry: Entry) -> None:
+        """Queue an interrupted request to continue, with its partial output, on some worker."""
+        entry.num_preemptions += 1
+        self.counters["resumed"] += 1
+        if entry.num_preemptions > self.config.max_resume_attempts:
+            self._fail(entry, ResumeExhausted(
+                f"request {entry.request_id!r} interrupted {entry.num_preemptions} times "
+                f"(max_resume_attempts={self.config.max_resume_attempts})", request_id=entry.request_id))
+            return
+        entry.state = State.PENDING
+        self._pending.appendleft(entry)  # it was running: it goes before new arrivals
+
+    def _finish(self, entry: Entry) -> None:
+        if entry.worker_id is not None and entry.inner_id is not None:
+            self.router.on_finish(entry.worker_id)
+        self.table.remove(entry)
+        left = self._per_origin.get(entry.origin, 1) - 1
+        if left > 0:
+            self._per_origin[entry.origin] = left
+        else:
+            self._per_origin.pop(entry.origin, None)
+
+    def _complete(self, entry: Entry, finish_reason: str, worker: str = "") -> None:
+        worker = worker or entry.worker_id or ""
+        self._finish(entry)
+        self.counters["aborted" if finish_reason == FinishReason.ABORT.value else "completed"] += 1
+        now = time.monotonic()
+        timings = {"total": now - entry.t_created}
+        if entry.t_dispatched is not None:
+            timings["queue"] = entry.t_dispatched - entry.t_created
+        if entry.t_first_token is not None:
+            timings["first_token"] = entry.t_first_token - entry.t_created
+        entry.sink(Result(
+            id=entry.request_id,
+            token_ids=entry.token_ids,
+            finish_reason=finish_reason,
+            logprobs=entry.logprobs,
+            weight_versions=entry.versions,
+            num_preemptions=entry.num_preemptions,
+            worker=worker,
+            timings=timings,
+        ))
+
+    def _fail(self, entry: Entry, exc: RolloutError) -> None:
+        self._finish(entry)
+        self.counters["failed"] += 1
+        entry.sink(Error(id=entry.request_id, code=exc.code, message=str(exc), request_id=entry.request_id))
+
+    def abort(self, origin: str, request_id: str) -> bool:
+        """Abort one request; its caller receives a result with finish_reason 'abort' and the
+        tokens produced so far. Returns False if no such request is in flight."""
+        entry = self.table.get(origin, request_id)
+        if entry is None:
+            return False
+        if entry.inner_id is None or entry.worker_id is None:  # waiting, not on a worker
+            entry.state = State.ABORTING
+            self._complete(entry, FinishReason.ABORT.value)
+            return True
+        entry.state = State.ABORTING
+        self._abort_on_worker(entry)
+        return True
+
+    def cancel(self, origin: str, request_id: str) -> None:
+        """Forget a request whose caller went away, and stop it on its worker. Nothing is sent back."""
+        entry = self.table.get(origin, request_id)
+        if entry is None:
+            return
+        if entry.inner_id is not None and entry.worker_id is not None:
+            self._abort_on_worker(entry)
+        self._finish(entry)
+        self.counters["cancelled"] += 1
+
+    def _abort_on_worker(self, entry: Entry) -> None:
+        handle = self.workers.get(entry.worker_id or "")
+        if handle is None or entry.inner_id is None:
+            return
+        try:
+            self._send_worker(handle, Abort(id=handle.next_call_id(), request_id=entry.inner_id))
+        except zmq.ZMQError:
+            pass  # the worker is going away; its death path finishes the entry
+
+    # ================================================================== fleet operations
+    def ready_workers(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.state is WorkerState.READY]
+
+    async def control(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run a control op (sleep, wake_up, clear_kv_cache, start_profile, stop_profile, pause,
+        resume) on every ready worker. Returns {worker id: reply data}.
+
+        Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops,
+        WorkerLost / RequestTimeout from a worker.
+        """
+        self._check_open()
+        if op not in CONTROL_OPS:
+            from ..errors import InvalidRequest
+
+            raise InvalidRequest(f"unknown control op {op!r}; one of {', '.join(CONTROL_OPS)}", code="unknown_op")
+        handles = self.ready_workers()
+        results = await asyncio.gather(
+            *(h.call(Control(id=h.next_call_id(), op=op, args=dict(args or {})), self.config.call_timeout_s)
+              for h in handles),
+            return_exceptions=True,
+        )
+        out: dict[str, Any] = {}
+        for h, res in zip(handles, results):
+            if isinstance(res, Unsupported):
+                raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
+            if isinstance(res, BaseException):
+                raise res
+            out[h.worker_id] = res
+        return out
+
+    async def stats(self, engines: bool = True) -> dict[str, Any]:
+        """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker)."""
+        workers = []
+        engine_stats: dict[str, Any] = {}
+        if engines and not self.closed:
+            handles = self.ready_workers()
+            replies = await asyncio.gather(
+                *(h.call(Stats(id=h.next_call_id()), self.config.call_timeout_s) for h in handles),
+                return_exceptions=True,
+            )
+            for h, rep in zip(handles, replies):
+                engine_stats[h.worker_id] = rep.get("engine", {}) if isinstance(rep, dict) else {"error": repr(rep)}
+        for index, h in sorted(self.slots.items()):
+            info = h.describe(self.router.load(h.worker_id), self._restarts[index].total)
+            if not h.alive:
+                info["state"] = WorkerState.DEAD.value
+            if h.worker_id in engine_stats:
+                info["engine_stats"] = engine_stats[h.worker_id]
+            workers.append(info)
+        return {
+            "workers": workers,
+            "num_workers": len(self.ready_workers()),
+            "num_inflight": len(self.table),
+            "num_pending": len(self._pending),
+            "weight_version": self.weight_version,
+            "host": socket.gethostname(),
+            **{f"num_{k}": v for k, v in self.counters.items()},
+        }
+
+    # ================================================================== frontend socket
+    def _reply_client(self, identity: bytes, msg: Message) -> None:
+        # (identity, header)
+        try:
+            self._fsock.send([identity, codec.encode(msg)])
+        except zmq.ZMQError as exc:
+            logger.debug("client %s unreachable: %s", identity.hex(), exc)
+
+    def _on_frontend_frames(self, frames: list[bytes]) -> None:
+        # (identity, header, *buffers)
+        if len(frames) < 2:
+            return  # a ROUTER always prepends the identity; a lone frame is an empty message
+        identity = frames[0]
+        try:
+            msg = codec.decode(frames[1:2], self._max_bytes)
+        except codec.DecodeError as exc:
+            logger.info("bad client message: %s", exc)
+            self._reply_client(identity, codec.error_for(exc))
+            return
+        origin = identity.hex()
+        if isinstance(msg, Generate):
+            def sink(out: Message, identity: bytes = identity) -> None:
+                self._reply_client(identity, out)
+            try:
+                self.submit(origin, msg.id, msg.prompt_ids, msg.sampling, sink,
+                            stream=msg.stream, session_id=msg.session_id, resume=msg.resume)
+            except RolloutError as exc:
+                self._reply_client(identity, Error(id=msg.id, code=exc.code, message=str(exc), request_id=msg.id))
+        elif isinstance(msg, Abort):
+            if self.abort(origin, msg.request_id):
+                self._reply_client(identity, Reply(id=msg.id, data={"request_id": msg.request_id}))
+            else:
+                self._reply_client(identity, Error(id=msg.id, code="unknown_request", request_id=msg.request_id,
+                                                   message=f"no request {msg.request_id!r} in flight"))
+        elif isinstance(msg, (Stats, Control)):
+            asyncio.create_task(self._answer_call(identity, msg))
+        else:
+            self._reply_client(identity, Error(id=msg.id, code="unknown_type",
+                                               message=f"clients may not send {msg.TYPE.value!r}"))
+
+    async def _answer_call(self, identity: bytes, msg: Stats | Control) -> None:
+        try:
+            if isinstance(msg, Stats):
+                data = await self.stats(engines=bool(msg.id))  # always true for real ids
+            else:
+                data = {"workers": await self.control(msg.op, msg.args)}
+        except RolloutError as exc:
+            self._reply_client(identity, Error(id=msg.id, code=exc.code, message=str(exc)))
+            return
+        except Exception as exc:
+            logger.exception("client call failed")
+            self._reply_client(identity, Error(id=msg.id, code="internal", message=repr(exc)))
+            return
+        self._reply_client(identity, Reply(id=msg.id, data=data))

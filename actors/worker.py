@@ -1,0 +1,390 @@
+"""The engine worker process: one engine, one DEALER socket to the supervisor.
+
+Started by the Supervisor as ``python -m rollfleet.actors.worker`` with its config in
+the environment. It registers, heartbeats, serves generate/abort/control/weights
+messages, and exits on a shutdown message, on a fatal engine error (after telling the
+supervisor why), or on its own when the supervisor's process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from ..engines import Engine, create_engine
+from ..errors import RolloutError, Unsupported
+from ..transport import codec
+from ..transport.messages import (
+    CONTROL_OPS,
+    Abort,
+    Chunk,
+    Control,
+    Error,
+    Generate,
+    Heartbeat,
+    Message,
+    Register,
+    Reply,
+    Result,
+    Shutdown,
+    Stats,
+    WeightsBegin,
+    WeightsBucket,
+    WeightsEnd,
+    WorkerExit,
+)
+from ..transport.aio import LoopSocket
+from ..transport.sockets import SocketOptions, make_socket
+from .process import CONFIG_ENV, kill_tree
+
+__all__ = ["EngineWorker", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDied(Exception):
+    """The engine is unusable (e.g. a failed weight reload); the worker must exit."""
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    # Adapters mark a dead engine with an exception class named EngineDead, or a `dead` flag.
+    return type(exc).__name__ == "EngineDead" or isinstance(exc, EngineDied)
+
+
+class EngineWorker:
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.worker_id: str = config["worker_id"]
+        self.engine: Engine | None = None
+        self.weight_version = int(config.get("weight_version", 0))
+        self.num_tokens = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # inner request id -> serving task
+        self._stop = asyncio.Event()
+        self._exit_code = 0
+        self._weights_lock = asyncio.Lock()
+        self._receiver: Any = None
+        self._sock: Any = None
+        self._max_bytes = int(config.get("max_message_bytes", 1 << 30))
+
+    # -------------------------------------------------------------------- lifecycle
+    async def run(self) -> int:
+        ctx = zmq.Context()
+        opts = SocketOptions(max_message_bytes=self._max_bytes)
+        curve = self.config.get("curve_client_keys")
+        sock = make_socket(
+            ctx,
+            zmq.DEALER,
+            self.config["addr"],
+            bind=False,
+            identity=self.worker_id.encode(),
+            options=opts,
+            curve_client_keys=tuple(bytes.fromhex(k) for k in curve) if curve else None,
+        )
+        self._sock = LoopSocket(sock, self._on_frames, copy=False)
+        try:
+            try:
+                self.engine = create_engine(self.config["engine"], self.config.get("engine_options"))
+                await self.engine.start()
+            except Exception as exc:
+                traceback.print_exc()
+                self._send(WorkerExit(id="start", reason=f"engine failed to start: {exc!r}"))
+                return 3
+            self._send(
+                Register(
+                    id="register",
+                    worker_id=self.worker_id,
+                    pid=os.getpid(),
+                    engine=self.engine.name,
+                    device=self.config.get("device", "cpu"),
+                    capabilities=sorted(self.engine.capabilities()),
+                    weight_version=self.weight_version,
+                    host=socket.gethostname(),
+                )
+            )
+            tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat")]
+            await self._stop.wait()
+            for t in tasks:
+                t.cancel()
+            return self._exit_code
+        finally:
+            await self._close()
+            self._sock.close(linger=200)
+            ctx.term()
+
+    async def _close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._receiver is not None:
+            self._receiver.close()
+        if self.engine is not None:
+            try:
+                await asyncio.wait_for(self.engine.shutdown(), timeout=30)
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    async def _fatal(self, reason: str) -> None:
+        """Tell the supervisor why, then stop; it restarts this worker if its policy allows."""
+        logger.error("worker %s: fatal: %s", self.worker_id, reason)
+        self._send(WorkerExit(id="fatal", reason=reason, fatal=True))
+        self._exit_code = 4
+        self._stop.set()
+
+    # -------------------------------------------------------------------- I/O
+    def _send(self, msg: Message) -> None:
+        # (header,)
+        try:
+            self._sock.send([codec.encode(msg)])
+        except zmq.ZMQError as exc:
+            logger.error("send to supervisor failed: %s", exc)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        # (header, *buffers)
+        try:
+            msg = codec.decode([frames[0].buffer], self._max_bytes)
+        except codec.DecodeError as exc:
+            logger.warning("bad message from supervisor: %s", exc)
+            self._send(codec.error_for(exc))
+            return
+        try:
+            self._dispatch(msg, [f.buffer for f in frames[1:]])
+        except Exception as exc:  # never let one message kill the worker
+            logger.exception("failed to handle %s", type(msg).__name__)
+            self._send(Error(id=msg.id, code="internal", message=repr(exc)))
+
+    def _dispatch(self, msg: Message, buffers: list[memoryview]) -> None:
+        if isinstance(msg, Generate):
+            if msg.id in self._tasks:
+                self._send(Error(id=msg.id, code="duplicate_request", request_id=msg.id))
+            else:
+                self._tasks[msg.id] = asyncio.create_task(self._serve(msg))
+        elif isinstance(msg, Abort):
+            self._spawn(self._abort(msg))
+        elif isinstance(msg, Control):
+            self._spawn(self._control(msg))
+        elif isinstance(msg, Stats):
+            self._send(Reply(id=msg.id, data=self.stats()))
+        elif isinstance(msg, (WeightsBegin, WeightsBucket, WeightsEnd)):
+            self._spawn(self._weights(msg))
+        elif isinstance(msg, Shutdown):
+            self._stop.set()
+        elif isinstance(msg, Reply):
+            pass  # registration acknowledged
+        else:
+            self._send(Error(id=msg.id, code="unknown_type", message=f"worker does not accept {msg.TYPE.value}"))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(_log_failure)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = float(self.config.get("heartbeat_interval_s", 1.0))
+        while True:
+            self._send(
+                Heartbeat(
+                    id="hb",
+                    num_inflight=len(self._tasks),
+                    num_tokens=self.num_tokens,
+                    weight_version=self.weight_version,
+                )
+            )
+            await asyncio.sleep(interval)
+
+    # -------------------------------------------------------------------- requests
+    async def _serve(self, msg: Generate) -> None:
+        assert self.engine is not None
+        tokens: list[int] = []
+        logprobs: list[float] | None = [] if msg.sampling.logprobs else None
+        version = self.weight_version
+        try:
+            async for out in self.engine.generate(msg.id, list(msg.prompt_ids), msg.sampling):
+                tokens.extend(out.token_ids)
+                self.num_tokens += len(out.token_ids)
+                if logprobs is not None and out.logprobs:
+                    logprobs.extend(out.logprobs)
+                if out.finish_reason is not None:
+                    # (header,) -- all tokens of this attempt, not only the new ones
+                    self._send(
+                        Result(
+                            id=msg.id,
+                            token_ids=tokens,
+                            finish_reason=out.finish_reason,
+                            logprobs=logprobs,
+                            weight_versions=[version],
+                            worker=self.worker_id,
+                        )
+                    )
+                    return
+                if out.token_ids:
+                    self._send(
+                        Chunk(id=msg.id, token_ids=out.token_ids, logprobs=out.logprobs, weight_version=version)
+                    )
+            raise RuntimeError("engine stream ended without a finish reason")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("request %s failed", msg.id)
+            self._send(Error(id=msg.id, code="engine_error", message=repr(exc), request_id=msg.id))
+            if _is_fatal(exc) or getattr(self.engine, "dead", False):
+                await self._fatal(f"engine died serving a request: {exc!r}")
+        finally:
+            self._tasks.pop(msg.id, None)
+
+    async def _abort(self, msg: Abort) -> None:
+        assert self.engine is not None
+        known = msg.request_id in self._tasks
+        if known:
+            await self.engine.abort(msg.request_id)
+        self._send(Reply(id=msg.id, ok=known, data={"request_id": msg.request_id, "found": known}))
+
+    async def _control(self, msg: Control) -> None:
+        assert self.engine is not None
+        op, args = msg.op, msg.args
+        if op not in CONTROL_OPS:
+            self._send(Error(id=msg.id, code="unknown_op", message=f"unknown control op {op!r}"))
+            return
+        try:
+            if op == "sleep":
+                await self.engine.sleep(int(args.get("level", 1)))
+            elif op == "start_profile":
+                trace_dir = args.get("trace_dir")
+                if not isinstance(trace_dir, str) or not trace_dir:
+                    raise ValueError("start_profile needs args.trace_dir (a directory path)")
+                os.makedirs(trace_dir, exist_ok=True)
+                await self.engine.start_profile(trace_dir)
+            else:
+                await getattr(self.engine, op)()
+        except RolloutError as exc:
+            self._send(Error(id=msg.id, code=exc.code, message=str(exc)))
+            return
+        except ValueError as exc:
+            self._send(Error(id=msg.id, code="bad_field", message=str(exc)))
+            return
+        except Exception as exc:
+            logger.exception("control %s failed", op)
+            self._send(Error(id=msg.id, code="engine_error", message=repr(exc)))
+            if _is_fatal(exc):
+                await self._fatal(f"engine died in {op}: {exc!r}")
+            return
+        self._send(Reply(id=msg.id, data={"op": op}))
+
+    async def _weights(self, msg: WeightsBegin | WeightsBucket | WeightsEnd) -> None:
+        assert self.engine is not None
+        async with self._weights_lock:  # buckets apply in arrival order
+            try:
+                if self._receiver is None:
+                    from ..weights.receiver import WeightReceiver
+
+                    self._receiver = WeightReceiver(self.engine)
+                data = await self._receiver.handle(msg)
+            except Unsupported as exc:
+                self._send(Error(id=msg.id, code=exc.code, message=str(exc)))
+                return
+            except Exception as exc:
+                logger.exception("weight update failed")
+                self._send(Error(id=msg.id, code="weights_failed", message=repr(exc)))
+                if _is_fatal(exc) or getattr(self.engine, "dead", False):
+                    await self._fatal(f"engine died loading weights: {exc!r}")
+                return
+            if isinstance(msg, WeightsEnd) and msg.commit:
+                self.weight_version = msg.version
+            self._send(Reply(id=msg.id, data=data))
+
+    def stats(self) -> dict[str, Any]:
+        engine_stats = self.engine.stats() if self.engine is not None else {}
+        return {
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "num_inflight": len(self._tasks),
+            "num_tokens": self.num_tokens,
+            "weight_version": self.weight_version,
+            "engine": engine_stats,
+        }
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("worker task failed: %r", task.exception())
+
+
+# ------------------------------------------------------------------------ parent death
+
+
+def _watch_parent(config: dict[str, Any]) -> None:
+    """Exit this process (and its children) as soon as the supervisor's process is gone.
+
+    Two signals, either suffices: EOF on the death pipe (the parent's end closes when it
+    dies, however it dies), and a change of parent pid (in case a forked copy of the
+    parent still holds the pipe open).
+    """
+    fd = config.get("death_fd")
+    parent = int(config.get("parent_pid", os.getppid()))
+
+    def on_parent_death(why: str) -> None:
+        print(f"rollfleet worker {config.get('worker_id')}: supervisor gone ({why}); exiting", file=sys.stderr)
+        kill_tree(os.getpid(), signal.SIGKILL, include_parent=False)
+        for cleanup in _PARENT_DEATH_CLEANUPS:
+            try:
+                cleanup()
+            except Exception:
+                pass
+        private_dir = config.get("private_dir")
+        if private_dir:
+            shutil.rmtree(private_dir, ignore_errors=True)
+        os._exit(1)
+
+    def read_pipe() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        on_parent_death("death pipe closed")
+
+    def poll_ppid() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                on_parent_death("parent pid changed")
+
+    if fd is not None:
+        threading.Thread(target=read_pipe, name="death-pipe", daemon=True).start()
+    threading.Thread(target=poll_ppid, name="ppid-poll", daemon=True).start()
+
+
+# Callables run when the parent dies (e.g. unlink shared memory this worker opened).
+_PARENT_DEATH_CLEANUPS: list[Any] = []
+
+
+def main() -> None:
+    config = json.loads(os.environ[CONFIG_ENV])
+    logging.basicConfig(
+        level=config.get("log_level", "WARNING"),
+        format=f"%(asctime)s %(levelname)s worker {config['worker_id']} %(name)s: %(message)s",
+    )
+    _watch_parent(config)
+    # SIGTERM from the supervisor: exit promptly; the finally blocks release resources.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    worker = EngineWorker(config)
+    try:
+        import uvloop
+
+        code = uvloop.run(worker.run())
+    except ImportError:
+        code = asyncio.run(worker.run())
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The one interface every engine adapter implements.
+
+An engine lives inside an EngineWorker process and owns the device. It knows nothing
+about sockets: the worker calls these methods and forwards what ``generate`` yields.
+
+Capabilities are discovered, not assumed: ``capabilities()`` returns the operations the
+installed engine really has; calling one it lacks raises ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import Unsupported
+from ..transport.messages import SamplingParams
+
+__all__ = ["Engine", "EngineOutput", "CAPABILITIES"]
+
+# Every optional operation an engine may have. "generate" and "abort" are mandatory.
+CAPABILITIES = (
+    "pause",  # pause()/resume(): stop scheduling, keep requests
+    "sleep",  # sleep()/wake_up(): release device memory
+    "load_weights",  # load_weights(named tensors)
+    "clear_kv_cache",
+    "profile",  # start_profile(dir)/stop_profile()
+    "lora",  # load_lora(name, named tensors)
+    "logprobs",
+)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """New tokens of one request since the previous output."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    """None while running; then one of FinishReason's values."""
+
+
+class Engine(abc.ABC):
+    """Base class. Subclasses override what they support and list it in capabilities()."""
+
+    name: str = "base"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    # -- lifecycle
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model; raise on failure (the worker reports it and exits)."""
+
+    async def shutdown(self) -> None:
+        """Release everything. Idempotent."""
+
+    def capabilities(self) -> set[str]:
+        return set()
+
+    # -- requests
+    @abc.abstractmethod
+    def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream outputs until one has a finish_reason. Aborting ends the stream with 'abort'."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop one request; unknown ids are ignored."""
+
+    # -- optional operations
+    async def pause(self) -> None:
+        raise Unsupported(f"{self.name} engine cannot pause")
+
+    async def resume(self) -> None:
+        raise Unsupported(f"{self.name} engine cannot resume")
+
+    async def sleep(self, level: int = 1) -> None:
+        raise Unsupported(f"{self.name} engine cannot sleep")
+
+    async def wake_up(self) -> None:
+        raise Unsupported(f"{self.name} engine cannot wake_up")
+
+    async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Apply named tensors; they take effect from the next decode step."""
+        raise Unsupported(f"{self.name} engine cannot load weights")
+
+    async def load_lora(self, name: str, weights: Iterable[tuple[str, Any]], config: dict[str, Any]) -> None:
+        raise Unsupported(f"{self.name} engine does not support LoRA adapters")
+
+    async def clear_kv_cache(self) -> None:
+        raise Unsupported(f"{self.name} engine cannot clear its KV cache")
+
+    async def start_profile(self, trace_dir: str) -> None:
+        raise Unsupported(f"{self.name} engine cannot profile")
+
+    async def stop_profile(self) -> None:
+        raise Unsupported(f"{self.name} engine cannot profile")
+
+    def stats(self) -> dict[str, Any]:
+        return {}

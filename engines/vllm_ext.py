@@ -1,0 +1,146 @@
+"""Methods rollfleet adds to vLLM's worker, so weights load inside the process that holds the model.
+
+vLLM mixes this class into its worker class when the engine is started with
+``worker_extension_cls="rollfleet.engines.vllm_ext.RollfleetWorkerExtension"``; the adapter
+calls the methods by name through ``collective_rpc``. Only plain data crosses that call (a
+shared-memory segment's name and a list of tensor descriptions): tensors passed as
+collective_rpc arguments arrive as nested lists and break the reload.
+
+A segment is a file in /dev/shm (POSIX shared memory on Linux). It is mapped with ``mmap``
+rather than ``multiprocessing.shared_memory`` because attaching through the latter registers
+the segment with Python's resource tracker, which unlinks it when this process exits, and
+these segments belong to somebody else. This module never unlinks a segment.
+
+Weights go through the model runner's ``reload_weights(weights_iterator=...)``: editing
+parameters in place does not change vLLM's CPU output (its linear layers keep a packed copy).
+One reload must carry every part of a fused layer (q/k/v, gate/up): a layer that receives
+only some of its parts is rebuilt with the rest uninitialised. Buckets that may split a
+layer are therefore staged (copied) and applied together by ``rollfleet_commit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["RollfleetWorkerExtension", "SHM_DIR", "tensor_views", "parse_entry"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+def parse_entry(entry: Any) -> tuple[str, str, list[int], int, int]:
+    """One tensor description, a dict {'name','dtype','shape','offset','nbytes'} or a
+    5-sequence in that order, as (name, dtype, shape, offset, nbytes)."""
+    if isinstance(entry, dict):
+        if "part_offset" in entry:
+            raise ValueError(f"tensor {entry.get('name')!r} is split across buckets; join it before loading")
+        name, dtype, shape, offset, nbytes = (
+            entry["name"],
+            entry["dtype"],
+            entry["shape"],
+            entry["offset"],
+            entry["nbytes"],
+        )
+    else:
+        name, dtype, shape, offset, nbytes = entry
+    return str(name), str(dtype), [int(s) for s in shape], int(offset), int(nbytes)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def tensor_views(buf: Any, entries: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each description, viewing ``buf`` without copying."""
+    size = len(buf)
+    for entry in entries:
+        name, dtype, shape, offset, nbytes = parse_entry(entry)
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise ValueError(f"tensor {name!r} [{offset}, {offset + nbytes}) lies outside the segment ({size} bytes)")
+        dt = torch_dtype(dtype)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        yield name, raw.view(dt).reshape(shape)
+
+
+def map_segment(name: str) -> mmap.mmap:
+    """Map an existing segment read-write (torch.frombuffer needs a writable buffer)."""
+    if "/" in name or not name:
+        raise ValueError(f"bad shared-memory segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+class RollfleetWorkerExtension:
+    """Mixed into vLLM's worker; ``self.model_runner`` is the worker's model runner."""
+
+    def rollfleet_load_shm(self, descriptor: dict[str, Any], commit: bool = True) -> int:
+        """Load the tensors a segment holds; returns how many.
+
+        commit=True applies them now, together with anything staged before. commit=False
+        stages a copy (the owner may reuse the segment for the next bucket) until
+        ``rollfleet_commit``.
+        """
+        mm = map_segment(str(descriptor["name"]))
+        views = weights = None
+        try:
+            views = list(tensor_views(mm, descriptor["tensors"]))
+            count = len(views)
+            staged = self._rollfleet_staged()
+            if not commit:
+                staged.extend((name, t.clone()) for name, t in views)
+                return count
+            weights = staged + views
+            staged.clear()
+            self._rollfleet_reload(weights)
+            return count
+        finally:
+            views = weights = None  # the tensors export mm's buffer; drop them before closing it
+            try:
+                mm.close()
+            except BufferError:
+                # Something still views the buffer; the mapping goes when that does.
+                logger.warning("shared-memory mapping still in use; left for the garbage collector")
+
+    def rollfleet_commit(self) -> int:
+        """Apply every staged tensor in one reload; returns how many."""
+        staged = self._rollfleet_staged()
+        weights = list(staged)
+        staged.clear()
+        if weights:
+            self._rollfleet_reload(weights)
+        return len(weights)
+
+    def rollfleet_discard(self) -> int:
+        """Drop staged tensors (an aborted update); returns how many were dropped."""
+        staged = self._rollfleet_staged()
+        count = len(staged)
+        staged.clear()
+        return count
+
+    def rollfleet_num_staged(self) -> int:
+        return len(self._rollfleet_staged())
+
+    def _rollfleet_staged(self) -> list[tuple[str, torch.Tensor]]:
+        staged = getattr(self, "_rollfleet_staged_weights", None)
+        if staged is None:
+            staged = []
+            self._rollfleet_staged_weights = staged
+        return staged
+
+    def _rollfleet_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # The worker's own reload_weights sets the current vLLM config around the runner's.
+        reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
+        reload(weights_iterator=weights)

@@ -1,0 +1,259 @@
+"""The vllm engine against real vLLM on the CPU, cross-checked with transformers.
+
+One engine for the whole module (vLLM starts in ~25 s); tests run in file order and the
+last one breaks the engine on purpose, then shuts it down and checks what it left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import tempfile
+
+import pytest
+import pytest_asyncio
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from rollfleet.engines.tiny import build_tiny_llama  # noqa: E402
+from rollfleet.engines.vllm_engine import EngineDead, VllmEngine, write_segment  # noqa: E402
+from rollfleet.transport.messages import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
+
+PROMPT = [1, 2, 3]
+
+
+def sockets_in(root: str) -> set[str]:
+    found = set()
+    for d, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(d, f)
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    found.add(path)
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("rollfleet-")}
+
+
+def perturbed(state: dict, seed: int = 1) -> dict:
+    """A copy with noise on every weight and a sharper lm_head, so greedy choices change
+    and stay well separated."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t + 0.05 * torch.randn(t.shape, generator=gen)
+        out[name] = t * 4 if name == "lm_head.weight" else t
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int = 32) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(n: int = 32, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def collect(engine, rid: str, prompt: list[int], params: SamplingParams):
+    tokens, logprobs, reason = [], [], None
+    async for out in engine.generate(rid, prompt, params):
+        tokens += out.token_ids
+        logprobs += out.logprobs or []
+        reason = out.finish_reason
+    return tokens, logprobs, reason
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def private_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("private"))
+
+
+@pytest.fixture(scope="module")
+def tmp_sockets_before():
+    return sockets_in(tempfile.gettempdir())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir, private_dir, tmp_sockets_before):
+    eng = VllmEngine({"model": model_dir, "dtype": "float32", "seed": 0, "private_dir": private_dir})
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def test_greedy_tokens_match_transformers(engine, hf):
+    tokens, _, reason = await collect(engine, "greedy", PROMPT, greedy())
+    assert tokens == hf_greedy(hf, PROMPT)
+    assert reason == "length"
+    assert {"logprobs", "load_weights", "pause", "clear_kv_cache"} <= engine.capabilities()
+
+
+async def test_concurrent_requests_each_match_transformers(engine, hf):
+    prompts = [[1, 5, 9], [1, 7], [1, 100, 200, 300], [1, 2, 3]]
+    results = await asyncio.gather(*(collect(engine, f"c{i}", p, greedy(24)) for i, p in enumerate(prompts)))
+    for p, (tokens, _, reason) in zip(prompts, results):
+        assert tokens == hf_greedy(hf, p, 24)
+        assert reason == "length"
+
+
+async def test_abort_ends_one_stream_and_the_other_completes(engine):
+    started = asyncio.Event()
+    seen = []
+
+    async def victim():
+        reason = None
+        async for out in engine.generate("victim", PROMPT, greedy(400)):
+            seen.extend(out.token_ids)
+            started.set()
+            reason = out.finish_reason
+        return reason
+
+    task = asyncio.create_task(victim())
+    other = asyncio.create_task(collect(engine, "survivor", [1, 4, 4], greedy(48)))
+    await asyncio.wait_for(started.wait(), 30)
+    await engine.abort("victim")
+    assert await asyncio.wait_for(task, 30) == "abort"
+    assert len(seen) < 400
+    tokens, _, reason = await asyncio.wait_for(other, 60)
+    assert len(tokens) == 48 and reason == "length"
+    assert engine.stats()["num_running"] == 0
+
+
+async def test_stop_token_ids_and_max_tokens(engine, hf):
+    ref = hf_greedy(hf, PROMPT)
+    stop = ref[5]
+    first = ref.index(stop)
+    tokens, _, reason = await collect(engine, "stop", PROMPT, greedy(stop_token_ids=[stop]))
+    assert tokens == ref[: first + 1] and reason == "stop"
+    tokens, _, reason = await collect(engine, "short", PROMPT, greedy(7))
+    assert tokens == ref[:7] and reason == "length"
+
+
+async def test_logprobs_are_the_chosen_tokens_logprobs(engine, hf):
+    tokens, logprobs, _ = await collect(engine, "lp", PROMPT, greedy(12, logprobs=True))
+    assert len(logprobs) == len(tokens) == 12
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + tokens])).logits[0].log_softmax(-1)
+    expected = [logits[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    assert logprobs == pytest.approx(expected, abs=1e-3)
+
+
+async def test_load_weights_changes_output_and_originals_restore_it(engine, hf):
+    original = hf.state_dict()
+    new = perturbed(original)
+    hf2 = transformers.LlamaForCausalLM.from_pretrained(engine.options["model"], dtype=torch.float32).eval()
+    hf2.load_state_dict(new)
+    want = hf_greedy(hf2, PROMPT)
+    base = hf_greedy(hf, PROMPT)
+    assert want != base
+    shm = shm_names()
+    await engine.load_weights(new.items())
+    assert (await collect(engine, "w1", PROMPT, greedy()))[0] == want
+    await engine.load_weights(original.items())
+    assert (await collect(engine, "w2", PROMPT, greedy()))[0] == base
+    assert shm_names() == shm  # the adapter unlinked its segments
+
+
+async def test_load_from_descriptor_leaves_the_callers_segment(engine, hf):
+    original = hf.state_dict()
+    new = perturbed(original, seed=2)
+    hf2 = transformers.LlamaForCausalLM.from_pretrained(engine.options["model"], dtype=torch.float32).eval()
+    hf2.load_state_dict(new)
+    want = hf_greedy(hf2, PROMPT)
+    # Two buckets that split layer 0's q/k/v and gate/up between them: staged, then committed.
+    names = list(new)
+    first = [n for n in names if "q_proj" in n or "gate_proj" in n or "embed" in n]
+    second = [n for n in names if n not in first]
+    segs = []
+    try:
+        for part in (first, second):
+            seg, entries = write_segment((n, new[n]) for n in part)
+            segs.append(seg)
+            # Entries as lists, the other accepted form.
+            desc = {"name": seg, "tensors": [[e["name"], e["dtype"], e["shape"], e["offset"], e["nbytes"]] for e in entries]}
+            assert await engine.load_weights_from_descriptor(desc, commit=False) == len(part)
+        assert await engine.commit_weights() == len(names)
+        assert (await collect(engine, "d1", PROMPT, greedy()))[0] == want
+        for seg in segs:
+            assert os.path.exists(os.path.join("/dev/shm", seg))
+        # Whole layers per bucket may be applied one bucket at a time.
+        seg, entries = write_segment(original.items())
+        segs.append(seg)
+        assert await engine.load_weights_from_descriptor({"name": seg, "tensors": entries}) == len(names)
+        assert os.path.exists(os.path.join("/dev/shm", seg))
+        assert (await collect(engine, "d2", PROMPT, greedy()))[0] == hf_greedy(hf, PROMPT)
+    finally:
+        for seg in segs:
+            os.unlink(os.path.join("/dev/shm", seg))
+
+
+async def test_pause_holds_a_running_stream_and_resume_finishes_it(engine, hf):
+    ref = hf_greedy(hf, PROMPT, 64)
+    got = []
+    first = asyncio.Event()
+
+    async def run():
+        async for out in engine.generate("paused", PROMPT, greedy(64)):
+            got.extend(out.token_ids)
+            first.set()
+        return out.finish_reason
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 30)
+    await engine.pause()
+    assert engine.stats()["paused"]
+    held = len(got)
+    await asyncio.sleep(0.5)
+    assert len(got) == held < 64
+    await engine.resume()
+    assert await asyncio.wait_for(task, 60) == "length"
+    assert got == ref
+
+
+async def test_clear_kv_cache_sleep_and_unsupported_lora(engine):
+    await engine.clear_kv_cache()
+    from rollfleet.errors import Unsupported
+
+    with pytest.raises(Unsupported):
+        await engine.load_lora("a", [], {})
+    with pytest.raises(Unsupported):
+        await engine.start_profile("/nonexistent")
+
+
+async def test_failed_reload_is_fatal_and_shutdown_leaves_nothing(engine, private_dir, tmp_sockets_before):
+    import psutil
+
+    children = list(engine._children)
+    assert children and all(p.is_running() for p in children)
+    with pytest.raises(EngineDead):
+        await engine.load_weights([("model.no_such_layer.weight", torch.zeros(4))])
+    assert engine.dead
+    with pytest.raises(EngineDead):
+        await collect(engine, "after", PROMPT, greedy())
+    await engine.shutdown()
+    await engine.shutdown()  # idempotent
+    assert not sockets_in(private_dir)
+    assert sockets_in(tempfile.gettempdir()) <= tmp_sockets_before
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)

@@ -1,0 +1,73 @@
+"""The one place rollfleet sockets are built, so their options are set consistently."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["SocketOptions", "make_socket"]
+
+logger = logging.getLogger(__name__)
+
+
+class SocketOptions:
+    """Options applied to every socket; defaults suit local ipc:// and loopback tcp://."""
+
+    __slots__ = ("hwm", "linger_ms", "max_message_bytes")
+
+    def __init__(self, *, hwm: int = 0, linger_ms: int = 0, max_message_bytes: int = 1 << 30):
+        # hwm 0 = no high-water mark: rollfleet bounds queues itself (in-flight caps), and a
+        # ROUTER that hits its HWM drops messages silently, which would lose tokens.
+        self.hwm = hwm
+        self.linger_ms = linger_ms
+        self.max_message_bytes = max_message_bytes
+
+
+def make_socket(
+    ctx: zmq.Context | zmq.asyncio.Context,
+    kind: int,
+    addr: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+    options: SocketOptions | None = None,
+    curve_server_keys: tuple[bytes, bytes] | None = None,
+    curve_client_keys: tuple[bytes, bytes, bytes] | None = None,
+) -> Any:
+    """Create, configure and bind/connect a socket.
+
+    ``curve_server_keys`` is (public, secret) for a binding socket that requires CurveZMQ;
+    ``curve_client_keys`` is (public, secret, server_public) for a connecting one.
+    Returns the socket; for ``tcp://host:0`` the bound port is in ``sock.LAST_ENDPOINT``.
+    """
+    opts = options or SocketOptions()
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, opts.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, opts.hwm)
+        sock.setsockopt(zmq.RCVHWM, opts.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if kind == zmq.ROUTER:
+            # Fail loudly (EHOSTUNREACH) instead of dropping a message to a peer that is gone.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve_server_keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve_server_keys[0])
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve_server_keys[1])
+        if curve_client_keys is not None:
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve_client_keys[0])
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve_client_keys[1])
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve_client_keys[2])
+        if bind:
+            sock.bind(addr)
+        else:
+            sock.connect(addr)
+    except Exception:
+        sock.close(linger=0)
+        raise
+    return sock

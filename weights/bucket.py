@@ -1,0 +1,308 @@
+"""Packing named tensors into fixed-size byte buckets, and reading them back out.
+
+A bucket is a run of bytes in a uint8 buffer plus one metadata entry per tensor (or per
+part of a tensor): ``{'name', 'dtype', 'shape', 'offset', 'nbytes'}``, and for a part of a
+tensor split across buckets also ``{'part_offset', 'total_nbytes'}``. Entries are plain
+msgpack-able dicts; dtypes travel as names ("bfloat16", "float8_e4m3fn") and the bytes are
+copied as they are, so every dtype arrives bit-exact and nothing is ever cast.
+
+Offsets are aligned to 64 bytes so a whole tensor can be viewed in place with its own
+dtype. A tensor larger than the room left is split at element boundaries: it fills the
+current bucket and continues in the next ones.
+
+``Packer`` pulls from the (name, tensor) iterable lazily, at most one tensor beyond the
+bucket it is building, so a generator that gathers one parameter at a time stays bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "Part",
+    "Bucket",
+    "Packer",
+    "fill",
+    "unpack",
+    "Assembler",
+    "bucket_nbytes",
+]
+
+ALIGN = 64
+_END = object()
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    names = [
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    ]  # fmt: skip
+    # Older torch builds lack some of these (fp8, wide unsigned ints): keep what exists.
+    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+DTYPES: dict[str, torch.dtype] = _dtypes()
+_NAMES = {d: n for n, d in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype; ValueError for dtypes rollfleet does not move."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be sent as weights") from None
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(slots=True)
+class Part:
+    """One entry of a bucket and where its bytes come from."""
+
+    entry: dict[str, Any]
+    source: torch.Tensor
+    """The tensor itself (whole entry) or its bytes as a flat uint8 tensor (split part)."""
+    start: int = 0
+    """Byte offset of a split part in ``source``."""
+
+
+@dataclass(slots=True)
+class Bucket:
+    index: int
+    parts: list[Part] = field(default_factory=list)
+    nbytes: int = 0
+    """Bytes used in the buffer: end of the last part."""
+    num_taken: int = 0
+    """Items pulled from the input so far, when this bucket was closed."""
+    last: bool = False
+    """No bucket follows."""
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        return [p.entry for p in self.parts]
+
+
+@dataclass(slots=True)
+class _Pending:
+    name: str
+    tensor: torch.Tensor
+    nbytes: int
+    done: int = 0
+    flat: torch.Tensor | None = None
+
+
+class Packer:
+    """Iterate to get Buckets of at most ``bucket_bytes`` (rounded down to ALIGN) each."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+        capacity = bucket_bytes - bucket_bytes % ALIGN
+        if capacity < ALIGN:
+            raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
+        self.capacity = capacity
+        self.num_taken = 0
+        self.num_tensors = 0
+        self.nbytes = 0
+        self._source = iter(named_tensors)
+
+    def _take(self) -> _Pending | None:
+        item = next(self._source, _END)
+        if item is _END:
+            return None
+        self.num_taken += 1
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+        name, tensor = item
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
+                             f"{type(tensor).__name__})")
+        dtype_name(tensor.dtype)  # refuse unknown dtypes before any byte moves
+        nbytes = tensor.numel() * tensor.element_size()
+        self.num_tensors += 1
+        self.nbytes += nbytes
+        return _Pending(name, tensor, nbytes)
+
+    def __iter__(self) -> Iterator[Bucket]:
+        bucket = Bucket(0)
+        pending = self._take()
+        while pending is not None:
+            start = _align(bucket.nbytes)
+            room = self.capacity - start
+            p = pending
+            if p.done == 0 and p.nbytes <= room:
+                bucket.parts.append(Part(_entry(p, start, p.nbytes), p.tensor))
+                bucket.nbytes = start + p.nbytes
+                pending = self._take()
+                continue
+            if p.done == 0 and p.nbytes <= self.capacity:
+                # Fits in a fresh bucket: do not split it needlessly.
+                yield self._close(bucket, last=False)
+                bucket = Bucket(bucket.index + 1)
+                continue
+            size = p.tensor.element_size()
+            chunk = min(room // size * size, p.nbytes - p.done)
+            if chunk == 0:
+                yield self._close(bucket, last=False)
+                bucket = Bucket(bucket.index + 1)
+                continue
+            if p.flat is None:
+                p.flat = p.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            entry = _entry(p, start, chunk)
+            entry["part_offset"] = p.done
+            entry["total_nbytes"] = p.nbytes
+            bucket.parts.append(Part(entry, p.flat, p.done))
+            bucket.nbytes = start + chunk
+            p.done += chunk
+            if p.done == p.nbytes:
+                pending = self._take()
+            else:
+                yield self._close(bucket, last=False)
+                bucket = Bucket(bucket.index + 1)
+        if bucket.parts:
+            yield self._close(bucket, last=True)
+
+    def _close(self, bucket: Bucket, last: bool) -> Bucket:
+        bucket.num_taken = self.num_taken
+        bucket.last = last
+        return bucket
+
+
+def _entry(p: _Pending, offset: int, nbytes: int) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "dtype": dtype_name(p.tensor.dtype),
+        "shape": list(p.tensor.shape),
+        "offset": offset,
+        "nbytes": nbytes,
+    }
+
+
+def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
+    """Copy a bucket's bytes into ``buffer`` (uint8, any device). Non-contiguous and
+    other-device sources are copied directly, without an intermediate contiguous copy."""
+    with torch.no_grad():
+        for part in bucket.parts:
+            e = part.entry
+            n = e["nbytes"]
+            if n == 0:
+                continue
+            dst = buffer[e["offset"] : e["offset"] + n]
+            if "part_offset" in e:
+                dst.copy_(part.source[part.start : part.start + n])
+            else:
+                src = part.source.detach()
+                dst.view(src.dtype).view(src.shape).copy_(src)
+
+
+def bucket_nbytes(entries: list[dict[str, Any]]) -> int:
+    """Bytes of a buffer that a bucket's entries use (what a collective must move)."""
+    return max((e["offset"] + e["nbytes"] for e in entries), default=0)
+
+
+def _check(entry: Any, buffer_size: int) -> tuple[str, torch.dtype, list[int], int, int]:
+    if type(entry) is not dict:
+        raise ValueError("tensor entry must be a map")
+    name, shape, offset, nbytes = entry.get("name"), entry.get("shape"), entry.get("offset"), entry.get("nbytes")
+    if type(name) is not str:
+        raise ValueError("tensor entry: 'name' must be a string")
+    dtype = dtype_from_name(entry.get("dtype"))
+    if type(shape) is not list or not all(type(s) is int and s >= 0 for s in shape):
+        raise ValueError(f"{name}: 'shape' must be a list of ints >= 0")
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise ValueError(f"{name}: 'offset' and 'nbytes' must be ints >= 0")
+    if offset + nbytes > buffer_size:
+        raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside the {buffer_size}-byte buffer")
+    return name, dtype, shape, offset, nbytes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def unpack(buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """Views of the whole tensors of a bucket, in ``buffer`` itself (no copy): they are valid
+    only until the buffer is reused. Split parts need an ``Assembler``; ValueError here."""
+    out = []
+    for entry in entries:
+        name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
+        if "part_offset" in entry:
+            raise ValueError(f"{name}: a split tensor part needs an Assembler")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if nbytes != _numel(shape) * itemsize:
+            raise ValueError(f"{name}: {nbytes} bytes do not match shape {shape} of {entry['dtype']}")
+        if offset % itemsize:
+            raise ValueError(f"{name}: offset {offset} is not aligned to {itemsize} bytes")
+        out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
+    return out
+
+
+class Assembler:
+    """Turns bucket entries into complete tensors, joining the parts of split tensors.
+
+    Whole tensors come back as views of the buffer (valid until it is reused); split
+    tensors are assembled into a fresh tensor on the buffer's device and returned when
+    their last part arrives.
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[str, tuple[torch.Tensor, int, dict[str, Any]]] = {}
+
+    @property
+    def incomplete(self) -> list[str]:
+        return sorted(self._partial)
+
+    def add(self, buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for entry in entries:
+            if type(entry) is dict and "part_offset" in entry:
+                done = self._add_part(buffer, entry)
+                if done is not None:
+                    out.append(done)
+            else:
+                out.extend(unpack(buffer, [entry]))
+        return out
+
+    def _add_part(self, buffer: torch.Tensor, entry: dict[str, Any]) -> tuple[str, torch.Tensor] | None:
+        name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
+        part_offset, total = entry.get("part_offset"), entry.get("total_nbytes")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if type(part_offset) is not int or type(total) is not int or total != _numel(shape) * itemsize:
+            raise ValueError(f"{name}: bad split part (part_offset {part_offset!r}, total_nbytes {total!r})")
+        if part_offset < 0 or part_offset + nbytes > total:
+            raise ValueError(f"{name}: part [{part_offset}, {part_offset + nbytes}) outside {total} bytes")
+        held = self._partial.get(name)
+        if held is None:
+            held = (torch.empty(total, dtype=torch.uint8, device=buffer.device), 0, entry)
+        data, received, first = held
+        if first["dtype"] != entry["dtype"] or first["shape"] != shape or data.numel() != total:
+            raise ValueError(f"{name}: parts disagree on dtype or shape")
+        data[part_offset : part_offset + nbytes].copy_(buffer[offset : offset + nbytes])
+        received += nbytes
+        if received < total:
+            self._partial[name] = (data, received, first)
+            return None
+        self._partial.pop(name, None)
+        return name, data.view(dtype).view(shape)
+
+    def clear(self) -> None:
+        self._partial.clear()

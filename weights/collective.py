@@ -1,0 +1,164 @@
+"""A private torch.distributed group between the trainer side (rank 0) and engine workers.
+
+The group is built straight from a ``PrefixStore`` over a ``TCPStore`` with the backend's
+own class (``ProcessGroupGloo`` / ``ProcessGroupNCCL``). ``new_group`` is not used: it needs
+the default group, which belongs to the trainer and must stay untouched (a trainer's default
+group may not even exist, and if it does, adding engine ranks to it is impossible).
+
+Rendezvous: the sender opens a TCPStore on a free port and sends ``{'addr', 'port',
+'world_size', 'rank', 'backend', 'prefix', 'timeout_s'}`` in WeightsBegin.options; every
+rank then constructs the group (this blocks until all ranks joined, so the sender builds
+its side concurrently with the WeightsBegin calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["open_store", "make_group", "broadcast", "close_group", "local_address"]
+
+
+def local_address(peer: str) -> str:
+    """The address of this host on the route to ``peer`` (no packet is sent)."""
+    if peer in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def open_store(addr: str, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of rank 0, on a free port (``store.port``)."""
+    return dist.TCPStore(addr, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def make_group(options: dict[str, Any], store: dist.Store | None = None) -> Any:
+    """Build this rank's side of the group described by ``options``; blocks until every rank
+    has joined. Rank 0 passes its own store; the others connect to ``addr:port``."""
+    try:
+        addr, port, rank, size = options["addr"], int(options["port"]), int(options["rank"]), int(options["world_size"])
+        backend, prefix = options["backend"], str(options["prefix"])
+        timeout = datetime.timedelta(seconds=float(options["timeout_s"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"bad collective rendezvous options: {exc}") from None
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside world of {size}")
+    if store is None:
+        store = dist.TCPStore(addr, port, None, False, timeout)
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(addr))]
+        return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    raise ValueError(f"unknown collective backend {backend!r}")
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a broadcast from rank 0 into ``tensor``; returns the Work (call ``.wait()``)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
+
+
+def close_group(group: Any) -> None:
+    """Release a group; safe to call on a group whose peers are gone."""
+    if group is None:
+        return
+    for name in ("shutdown", "abort"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # a group broken by a dead peer may refuse either; both are best effort
+                continue
+
+
+class CollectiveChannel:
+    """Sender side of the collective transport: rank 0 of a private group, broadcasting each
+    bucket from a local buffer to every collective receiver."""
+
+    kind = "collective"
+
+    def __init__(self, links: list, config: Any, update_id: str) -> None:
+        from .config import is_local_host
+
+        self.links = links
+        self.timeout_s = config.timeout_s
+        backend = config.collective_backend
+        if backend == "auto":
+            cuda = torch.cuda.is_available() and all(str(l.device).startswith("cuda") for l in links)
+            backend = "nccl" if cuda else "gloo"
+        self.backend = backend
+        self.device = torch.device("cpu")
+        if backend == "nccl":
+            self.device = torch.device(config.device or f"cuda:{torch.cuda.current_device()}")
+        self.addr = config.master_addr or (
+            "127.0.0.1" if all(is_local_host(l.host) for l in links) else socket.getfqdn()
+        )
+        self.prefix = f"rollfleet/{update_id}"
+        self.buffers: list[torch.Tensor] = []
+        self.store: Any = None
+        self.group: Any = None
+
+    def allocate(self, size: int, num_buffers: int) -> None:
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)]
+        self.store = open_store(self.addr, self.timeout_s)
+
+    def _options(self, rank: int) -> dict[str, Any]:
+        return {
+            "addr": self.addr,
+            "port": self.store.port,
+            "world_size": len(self.links) + 1,
+            "rank": rank,
+            "backend": self.backend,
+            "prefix": self.prefix,
+            "timeout_s": self.timeout_s,
+        }
+
+    def begin(self, link: Any, rank: int) -> tuple[list[dict], dict]:
+        buffers = [{"size": b.numel()} for b in self.buffers]
+        return buffers, self._options(rank + 1)
+
+    async def connect(self) -> None:
+        self.group = await asyncio.to_thread(make_group, self._options(0), self.store)
+
+    def after_begin(self, replies: list[dict]) -> None:
+        return None
+
+    def ready(self, slot: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def transfer(self, slot: int, nbytes: int) -> Any:
+        """Start the broadcast now (so ranks see buckets in order); returns an awaitable."""
+        if nbytes == 0:
+            return None
+        work = broadcast(self.group, self.buffers[slot][:nbytes])
+        return asyncio.to_thread(self._wait, work)
+
+    def _wait(self, work: Any) -> None:
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        close_group(self.group)
+        self.group = None
+        self.store = None
+        self.buffers = []

@@ -1,0 +1,65 @@
+"""Settings of a weight update, and the per-worker choice of transport."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WeightSyncConfig", "TRANSPORTS", "choose_transport", "is_local_host"]
+
+TRANSPORTS = ("shm", "cuda_ipc", "collective")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    bucket_bytes: int = 256 << 20
+    """Size of one bucket (and of each of the two transfer buffers). Rounded down to 64 bytes."""
+    transport: str = "auto"
+    """'auto' (per worker, see choose_transport), 'shm', 'cuda_ipc' or 'collective'."""
+    timeout_s: float = 120.0
+    """Longest wait for one worker's answer to one message (also the collective's timeout)."""
+    abort_timeout_s: float = 5.0
+    """Longest wait for a worker to acknowledge an aborted update (WeightsEnd commit=False)."""
+    collective_backend: str = "auto"
+    """'gloo', 'nccl', or 'auto': nccl when this process and the workers have CUDA, else gloo."""
+    master_addr: str = ""
+    """Address the workers use to reach this process's rendezvous store for the collective
+    transport; '' means 127.0.0.1 when every collective worker is local, else this host's name."""
+    device: str = ""
+    """CUDA device of the sender's buffers for cuda_ipc and nccl; '' means the current device."""
+
+    def __post_init__(self) -> None:
+        if type(self.bucket_bytes) is not int or self.bucket_bytes < 64:
+            raise ValueError(f"bucket_bytes must be an int >= 64, got {self.bucket_bytes!r}")
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.abort_timeout_s > 0:
+            raise ValueError(f"abort_timeout_s must be > 0, got {self.abort_timeout_s}")
+        if self.collective_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"collective_backend must be auto, gloo or nccl, got {self.collective_backend!r}")
+        if self.device and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be a CUDA device ('cuda', 'cuda:N') or '', got {self.device!r}")
+
+
+def is_local_host(host: str) -> bool:
+    """True when ``host`` names this machine. An empty host counts as local: workers that the
+    supervisor spawned itself may register without one."""
+    return host in ("", "localhost", "127.0.0.1", "::1", socket.gethostname())
+
+
+def choose_transport(link: Any, config: WeightSyncConfig) -> str:
+    """The transport for one worker: config.transport when set, else cuda_ipc on the same host
+    with a CUDA worker and CUDA here, shm on the same host otherwise, collective across hosts."""
+    if config.transport != "auto":
+        return config.transport
+    if not is_local_host(link.host):
+        return "collective"
+    if str(link.device).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda_ipc"
+    return "shm"

@@ -1,0 +1,285 @@
+"""The trainer side of a weight update: pack, pipeline, broadcast to every worker.
+
+One update, seen from the sender::
+
+    WeightsBegin  -> every worker (buffers and handles shared here, once)
+    for each bucket k:   fill buffer k % 2  (while the workers load bucket k-1)
+                         WeightsBucket(k) -> every worker; replies awaited before buffer reuse
+    WeightsEnd(commit=True) -> every worker; each answers with the version it now holds
+
+A transport "channel" (ShmChannel, CudaIpcChannel, CollectiveChannel) owns the buffers of
+the workers that use it; the first channel's buffer is filled from the tensors and the
+others get a copy of its bytes. Any failure aborts the update everywhere
+(WeightsEnd(commit=False)), frees every buffer and unlinks every segment, and raises
+WeightUpdateError naming the worker and the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import WeightUpdateError
+from ..transport.messages import Message, WeightsBegin, WeightsBucket, WeightsEnd
+from . import shm
+from .bucket import ALIGN, Bucket, Packer, fill
+from .config import WeightSyncConfig, choose_transport
+
+__all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLink(Protocol):
+    """How the sender reaches one worker (the supervisor implements it)."""
+
+    worker_id: str
+    host: str
+    device: str
+
+    async def call(self, msg: Message, timeout: float | None = None) -> dict:
+        """Send ``msg``, return the Reply's data; raise a RolloutError on Error/timeout/death."""
+        ...
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerReport:
+    worker_id: str
+    transport: str
+    ok: bool = False
+    error: str | None = None
+    bytes: int = 0
+    seconds: float = 0.0
+    gbps: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateReport:
+    version: int
+    ok: bool = False
+    num_tensors: int = 0
+    num_buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    gbps: float = 0.0
+    """Bytes of tensor data per second of the whole update, in 1e9 bytes/s."""
+    workers: dict[str, WorkerReport] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _LinkFailed(Exception):
+    def __init__(self, worker_id: str, cause: BaseException) -> None:
+        super().__init__(f"{worker_id}: {type(cause).__name__}: {cause}")
+        self.worker_id = worker_id
+        self.cause = cause
+
+
+def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: str) -> Any:
+    if kind == "shm":
+        return shm.ShmChannel(links, config, update_id)
+    if kind == "cuda_ipc":
+        from .cuda_ipc import CudaIpcChannel
+
+        return CudaIpcChannel(links, config, update_id)
+    from .collective import CollectiveChannel
+
+    return CollectiveChannel(links, config, update_id)
+
+
+class WeightSender:
+    """Pushes named tensors to engine workers. One update at a time per sender."""
+
+    def __init__(self, config: WeightSyncConfig | None = None) -> None:
+        self.config = config or WeightSyncConfig()
+        self._lock = asyncio.Lock()
+
+    async def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        links: Sequence[WorkerLink],
+    ) -> UpdateReport:
+        """Send every tensor to every worker and commit ``version``.
+
+        ``named_tensors`` is consumed lazily (at most about two buckets ahead of the workers).
+        Raises WeightUpdateError (with ``.report`` and ``.worker_id``, None when the input
+        itself was bad) after aborting the update on every worker; ValueError for bad
+        arguments before anything is sent.
+        """
+        if type(version) is not int or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if not links:
+            raise ValueError("no workers to update")
+        if len({l.worker_id for l in links}) != len(links):
+            raise ValueError("duplicate worker ids")
+        async with self._lock:
+            return await self._update(named_tensors, version, list(links))
+
+    async def _update(self, named_tensors: Iterable, version: int, links: list) -> UpdateReport:
+        cfg = self.config
+        uid = "w" + secrets.token_hex(6)
+        started = time.perf_counter()
+        report = UpdateReport(version=version)
+        groups: dict[str, list] = {}
+        for link in links:
+            kind = choose_transport(link, cfg)
+            groups.setdefault(kind, []).append(link)
+            report.workers[link.worker_id] = WorkerReport(worker_id=link.worker_id, transport=kind)
+        if "shm" in groups:
+            stale = shm.sweep_stale()
+            if stale:
+                logger.warning("removed %d shared-memory segments left by dead processes", len(stale))
+        # shm/cuda_ipc first: filling a mapped or device buffer directly is cheapest.
+        order = sorted(groups, key=("shm", "cuda_ipc", "collective").index)
+        channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
+        packer = Packer(named_tensors, cfg.bucket_bytes)
+        buckets = iter(packer)
+        inflight: list[asyncio.Task | None] = []
+        begun = False
+        try:
+            first = next(buckets, None)
+            single = first is None or first.last
+            size = max(ALIGN, -(-first.nbytes // ALIGN) * ALIGN) if single and first else packer.capacity
+            num_buffers = 1 if single else 2
+            for ch in channels:
+                ch.allocate(size, num_buffers)
+            begun = True
+            await self._begin(uid, version, channels, cfg)
+            inflight = [None] * num_buffers
+            bucket = first
+            while bucket is not None:
+                slot = bucket.index % num_buffers
+                if inflight[slot] is not None:
+                    await inflight[slot]
+                for task in inflight:  # fail fast if the other bucket already failed
+                    if task is not None and task.done():
+                        task.result()
+                await asyncio.to_thread(self._fill, bucket, slot, channels)
+                transfers = [ch.transfer(slot, bucket.nbytes) for ch in channels]
+                inflight[slot] = asyncio.create_task(
+                    self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers)
+                )
+                report.num_buckets += 1
+                bucket = None  # drop the source tensors before pulling more
+                bucket = next(buckets, None)
+            for task in inflight:
+                if task is not None:
+                    await task
+            await self._end(uid, version, links, report, started)
+        except BaseException as exc:
+            for task in inflight:
+                if task is not None and not task.done():
+                    task.cancel()
+            for ch in channels:
+                ch.close()
+            if begun:
+                failed = exc.worker_id if isinstance(exc, _LinkFailed) else None
+                await self._abort(uid, version, [l for l in links if l.worker_id != failed])
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise self._error(exc, report, started) from (exc.cause if isinstance(exc, _LinkFailed) else exc)
+        finally:
+            for ch in channels:
+                ch.close()
+        report.ok = True
+        report.num_tensors = packer.num_tensors
+        report.bytes = packer.nbytes
+        report.seconds = time.perf_counter() - started
+        report.gbps = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
+        for w in report.workers.values():
+            w.ok, w.bytes = True, packer.nbytes
+            w.gbps = w.bytes / w.seconds / 1e9 if w.seconds > 0 else 0.0
+        return report
+
+    async def _begin(self, uid: str, version: int, channels: list, cfg: WeightSyncConfig) -> None:
+        calls: list[asyncio.Task] = []
+        per_channel: list[list[asyncio.Task]] = []
+        for ch in channels:
+            mine = []
+            for rank, link in enumerate(ch.links):
+                buffers, options = ch.begin(link, rank)
+                msg = WeightsBegin(
+                    id=f"{uid}.begin", version=version, transport=ch.kind,
+                    bucket_bytes=cfg.bucket_bytes, buffers=buffers, options=options,
+                )  # fmt: skip
+                mine.append(asyncio.create_task(self._call(link, msg)))
+            per_channel.append(mine)
+            calls.extend(mine)
+        connects = [asyncio.create_task(ch.connect()) for ch in channels]
+        try:
+            await asyncio.gather(*calls, *connects)
+        except BaseException:
+            for t in (*calls, *connects):
+                t.cancel()
+            raise
+        for ch, mine in zip(channels, per_channel):
+            ch.after_begin([t.result() for t in mine])
+
+    def _fill(self, bucket: Bucket, slot: int, channels: list) -> None:
+        primary = channels[0].buffers[slot]
+        fill(bucket, primary)
+        for ch in channels[1:]:
+            ch.buffers[slot][: bucket.nbytes].copy_(primary[: bucket.nbytes])
+        for ch in channels:
+            ch.ready(slot)
+
+    async def _deliver(self, uid: str, index: int, slot: int, entries: list, links: list, transfers: list) -> None:
+        msg = WeightsBucket(id=f"{uid}.{index}", index=index, buffer=slot, tensors=entries)
+        tasks = [asyncio.create_task(self._call(link, msg)) for link in links]
+        tasks += [asyncio.ensure_future(t) for t in transfers if t is not None]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def _end(self, uid: str, version: int, links: list, report: UpdateReport, started: float) -> None:
+        async def one(link: Any) -> None:
+            data = await self._call(link, WeightsEnd(id=f"{uid}.end", version=version, commit=True))
+            if data.get("version") != version:
+                raise _LinkFailed(link.worker_id, RuntimeError(f"committed version {data.get('version')!r}"))
+            report.workers[link.worker_id].seconds = time.perf_counter() - started
+
+        await asyncio.gather(*(one(link) for link in links))
+
+    async def _abort(self, uid: str, version: int, links: list) -> None:
+        msg = WeightsEnd(id=f"{uid}.abort", version=version, commit=False)
+        results = await asyncio.gather(
+            *(link.call(msg, timeout=self.config.abort_timeout_s) for link in links), return_exceptions=True
+        )
+        for link, res in zip(links, results):
+            if isinstance(res, BaseException):
+                logger.warning("worker %s did not acknowledge the aborted update: %s", link.worker_id, res)
+
+    async def _call(self, link: Any, msg: Message) -> dict:
+        try:
+            data = await link.call(msg, timeout=self.config.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _LinkFailed(link.worker_id, exc) from exc
+        return data if isinstance(data, dict) else {}
+
+    def _error(self, exc: BaseException, report: UpdateReport, started: float) -> WeightUpdateError:
+        report.seconds = time.perf_counter() - started
+        if isinstance(exc, _LinkFailed):
+            worker = exc.worker_id
+            text = f"weight update v{report.version} failed on worker {worker}: {exc.cause}"
+            report.workers[worker].error = f"{type(exc.cause).__name__}: {exc.cause}"
+        else:
+            worker = None
+            text = f"weight update v{report.version} failed: {type(exc).__name__}: {exc}"
+        err = WeightUpdateError(text)
+        err.report = report  # type: ignore[attr-defined]
+        err.worker_id = worker  # type: ignore[attr-defined]
+        return err
