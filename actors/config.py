@@ -69,6 +69,8 @@ class FleetConfig:
     """How dead workers are restarted; None: never."""
     max_message_bytes: int = 1 << 30
     """Largest message accepted on any socket."""
+    max_sticky: int = 65536
+    """Request/session ids remembered for sticky routing (LRU)."""
     deterministic_routing: bool = False
     """Tie-break by worker order instead of randomly (tests)."""
     private_dir_root: str | None = None

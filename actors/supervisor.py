@@ -77,7 +77,7 @@ class Supervisor:
         elif overrides:
             raise ValueError("pass either a FleetConfig or keyword overrides, not both")
         self.config = config
-        self.router = Router(deterministic=config.deterministic_routing)
+        self.router = Router(deterministic=config.deterministic_routing, max_sticky=config.max_sticky)
         self.table = InflightTable()
         self.workers: dict[str, WorkerHandle] = {}  # worker id -> handle (live incarnations)
         self.slots: dict[int, WorkerHandle] = {}  # index -> current incarnation
@@ -172,6 +172,9 @@ class Supervisor:
             os.path.join(self.private_dir, f"{worker_id}.log"),
         )
         handle = WorkerHandle(index=index, generation=generation, device=device, proc=proc, send=self._send_worker)
+        previous = self.slots.get(index)
+        if previous is not None:
+            handle.last_error = previous.last_error  # why the slot was restarted stays visible
         self.workers[worker_id] = handle
         self.slots[index] = handle
         if proc.pidfd is not None:

@@ -208,7 +208,10 @@ def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
                 dst.copy_(part.source[part.start : part.start + n])
             else:
                 src = part.source.detach()
-                dst.view(src.dtype).view(src.shape).copy_(src)
+                if src.is_contiguous():
+                    dst.copy_(src.reshape(-1).view(torch.uint8))  # raw bytes, whatever they hold
+                else:
+                    dst.view(src.dtype).view(src.shape).copy_(src)
 
 
 def bucket_nbytes(entries: list[dict[str, Any]]) -> int:

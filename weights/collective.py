@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["open_store", "make_group", "broadcast", "close_group", "local_address"]
+__all__ = ["CollectiveChannel", "open_store", "make_group", "broadcast", "close_group", "local_address"]
 
 
 def local_address(peer: str) -> str:

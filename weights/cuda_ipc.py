@@ -19,7 +19,7 @@ import torch
 
 from .bucket import dtype_from_name, dtype_name
 
-__all__ = ["share", "open_shared", "device_uuid"]
+__all__ = ["CudaIpcChannel", "share", "open_shared", "device_uuid"]
 
 _STORAGE_CLASSES = {"UntypedStorage": torch.UntypedStorage, "TypedStorage": torch.storage.TypedStorage}
 

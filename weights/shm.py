@@ -22,7 +22,7 @@ import secrets
 import psutil
 import torch
 
-__all__ = ["SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments", "sweep_stale",
+__all__ = ["ShmChannel", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments", "sweep_stale",
            "pid_alive"]
 
 SHM_DIR = "/dev/shm"

@@ -1,0 +1,98 @@
+"""The ``rollfleet`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    _run(run_demo(engine=args.engine, num_workers=args.workers, num_requests=args.requests,
+                  max_tokens=args.max_tokens, model=args.model, update_weights=not args.no_update))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from .actors.client import RemoteClient
+
+    async def go() -> dict[str, Any]:
+        async with RemoteClient(args.address, call_timeout_s=args.timeout) as client:
+            return await client.stats()
+
+    stats = _run(go())
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    cols = ("worker_id", "state", "pid", "device", "num_inflight", "num_tokens", "weight_version", "restarts", "last_error")
+    print("  ".join(f"{c:>14}" for c in cols))
+    for w in stats["workers"]:
+        print("  ".join(f"{str(w.get(c, ''))[:14]:>14}" for c in cols))
+    print(f"in flight: {stats['num_inflight']}  completed: {stats['num_completed']}  "
+          f"resumed: {stats['num_resumed']}  failed: {stats['num_failed']}  weight version: {stats['weight_version']}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import serve
+
+    return _run(serve(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollfleet", description="Run LLM rollout engines for RL training, without Ray.")
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="Run a demo: a fleet, a batch of rollouts, an abort, a weight update, a summary.")
+    demo.add_argument("--engine", default="torch", choices=["torch", "vllm", "echo"],
+                      help="Engine of the workers (default torch, on CPU; vllm needs the vllm extra).")
+    demo.add_argument("--workers", type=int, default=2, help="Number of worker processes (default 2).")
+    demo.add_argument("--requests", type=int, default=32, help="Number of rollouts (default 32).")
+    demo.add_argument("--max-tokens", type=int, default=48, help="Tokens per rollout (default 48).")
+    demo.add_argument("--model", default=None, help="Local model directory (default: a tiny built-in random Llama).")
+    demo.add_argument("--no-update", action="store_true", help="Skip the weight update in the middle of the batch.")
+    demo.set_defaults(func=_cmd_demo)
+
+    stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).")
+    stats.add_argument("address", help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555.")
+    stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")
+    stats.add_argument("--timeout", type=float, default=10.0, help="Seconds to wait for the answer (default 10).")
+    stats.set_defaults(func=_cmd_stats)
+
+    try:
+        from .serve import add_arguments
+    except ImportError:
+        add_arguments = None
+    if add_arguments is not None:
+        serve = sub.add_parser("serve", help="Run a fleet and serve its client socket until SIGINT/SIGTERM.")
+        add_arguments(serve)
+        serve.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rollfleet").setLevel(args.log_level.upper())
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

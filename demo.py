@@ -1,0 +1,118 @@
+"""The demo behind ``rollfleet demo``: a small fleet, a batch of rollouts, one abort, a summary."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from typing import Any
+
+from .actors import FleetConfig, Supervisor
+from .actors.result import GenerationResult
+from .errors import RolloutError
+from .transport.messages import SamplingParams
+
+__all__ = ["run_demo", "summarize"]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(results: list[GenerationResult], errors: int, elapsed: float, stats: dict[str, Any]) -> list[tuple[str, str]]:
+    tokens = sum(len(r.token_ids) for r in results)
+    latencies = [r.timings.get("total", 0.0) for r in results]
+    versions = sorted({v for r in results for v in r.weight_versions})
+    return [
+        ("requests", str(len(results) + errors)),
+        ("completed", str(sum(1 for r in results if not r.aborted))),
+        ("aborted", str(sum(1 for r in results if r.aborted))),
+        ("failed", str(errors)),
+        ("resumed (preemptions)", str(sum(r.num_preemptions for r in results))),
+        ("tokens generated", str(tokens)),
+        ("tokens/s", f"{tokens / elapsed:.1f}" if elapsed > 0 else "-"),
+        ("latency p50 (s)", f"{_percentile(latencies, 0.5):.3f}"),
+        ("latency p99 (s)", f"{_percentile(latencies, 0.99):.3f}"),
+        ("weight versions seen", ", ".join(map(str, versions)) or "-"),
+        ("workers", ", ".join(f"{w['worker_id']}@{w['device']}" for w in stats["workers"])),
+    ]
+
+
+def _print_table(rows: list[tuple[str, str]], out: Any = sys.stdout) -> None:
+    width = max(len(k) for k, _ in rows)
+    print("-" * (width + 20), file=out)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}", file=out)
+    print("-" * (width + 20), file=out)
+
+
+async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests: int = 32, max_tokens: int = 48,
+                   model: str | None = None, update_weights: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Run the demo and return its summary as a dict (also printed)."""
+    from tqdm import tqdm
+
+    options: dict[str, Any] = {}
+    if engine in ("torch", "vllm"):
+        if model is None and engine == "vllm":
+            import tempfile
+
+            from .engines.tiny import build_tiny_llama
+
+            model = build_tiny_llama(tempfile.mkdtemp(prefix="rollfleet-demo-model-"), seed=seed)
+        if model is not None:
+            options["model"] = model
+        options.setdefault("seed", seed)
+    elif engine == "echo":
+        options["tokens_per_s"] = 400
+    config = FleetConfig(engine=engine, engine_options=options, num_workers=num_workers)
+    rng = random.Random(seed)
+    print(f"starting {num_workers} {engine} workers ...", flush=True)
+    t_start = time.monotonic()
+    async with Supervisor(config) as fleet:
+        print(f"fleet ready in {time.monotonic() - t_start:.1f}s; frontend at {fleet.frontend_address}", flush=True)
+        client = fleet.client()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 16))] for _ in range(num_requests)]
+        results: list[GenerationResult] = []
+        errors = 0
+        t0 = time.monotonic()
+        tasks = {asyncio.create_task(client.generate(f"demo-{i}", p, params)): i for i, p in enumerate(prompts)}
+        to_abort = f"demo-{num_requests - 1}"
+
+        async def abort_one() -> None:
+            await asyncio.sleep(0.05)
+            await client.abort(to_abort)
+
+        async def update_midway() -> None:
+            # Once a third of the batch is done, push weights (same values, version 1):
+            # requests in flight are interrupted and resume with their partial output.
+            while len(results) < num_requests // 3:
+                await asyncio.sleep(0.01)
+            try:
+                await client.update_weights(fleet.weights_snapshot(), version=1)
+            except (AttributeError, NotImplementedError, RolloutError) as exc:
+                print(f"weight update skipped: {exc}", flush=True)
+
+        side = [asyncio.create_task(abort_one())]
+        if update_weights:
+            side.append(asyncio.create_task(update_midway()))
+        with tqdm(total=num_requests, desc="rollouts", unit="req", file=sys.stdout) as bar:
+            for fut in asyncio.as_completed(tasks):
+                try:
+                    results.append(await fut)
+                except RolloutError as exc:
+                    errors += 1
+                    print(f"request failed: {exc}", flush=True)
+                bar.update(1)
+        for t in side:
+            await t
+        elapsed = time.monotonic() - t0
+        stats = await fleet.stats(engines=False)
+    rows = summarize(results, errors, elapsed, stats)
+    _print_table(rows)
+    print("fleet shut down cleanly", flush=True)
+    return dict(rows)

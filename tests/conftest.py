@@ -1,0 +1,42 @@
+"""Shared fixtures: fleets of real worker processes on real sockets."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+try:
+    import torch
+
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    HAS_CUDA = False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+def child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+
+
+@pytest.fixture
+def no_leaks():
+    """Asserts that the test left no child process behind."""
+    before = child_pids()
+    yield
+    left = {pid for pid in child_pids() - before if psutil.pid_exists(pid)}
+    alive = []
+    for pid in left:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"processes left behind: {alive}"

@@ -1,0 +1,311 @@
+"""The core runtime with real worker processes and real sockets, on the echo engine."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+
+import msgpack
+import psutil
+import pytest
+import zmq
+import zmq.asyncio
+
+from rollfleet.actors import FleetConfig, LLMClient, RemoteClient, Supervisor
+from rollfleet.actors.process import device_env
+from rollfleet.engines.echo import echo_next_token
+from rollfleet.errors import DuplicateRequest, RequestTimeout, WorkerLost, WorkerStartError
+from rollfleet.transport.messages import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def expected_tokens(prompt, n, vocab=32000, offset=0):
+    out, last, length = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = echo_next_token(last, length, vocab, offset)
+        length += 1
+        out.append(last)
+    return out
+
+
+def fleet(num_workers=2, **kw):
+    options = kw.pop("engine_options", {})
+    return Supervisor(FleetConfig(engine="echo", num_workers=num_workers, engine_options=options, **kw))
+
+
+async def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred() if asyncio.iscoroutinefunction(pred) else pred():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_spawn_register_shutdown_leaves_no_process_or_socket_file():
+    sup = fleet(3)
+    await sup.start()
+    pids = [h.pid for h in sup.workers.values()]
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    assert os.stat(sup.private_dir).st_mode & 0o777 == 0o700
+    assert any(name.endswith(".sock") for name in os.listdir(sup.private_dir))
+    result = await sup.client().generate("r", [5], SamplingParams(max_tokens=3))
+    assert result.token_ids == expected_tokens([5], 3)
+    await sup.shutdown()
+    await sup.shutdown()  # idempotent
+    assert not os.path.exists(sup.private_dir)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+async def test_worker_that_fails_to_start_raises_with_its_output():
+    sup = fleet(1, engine_options={"fail_start": True}, restart=None)
+    with pytest.raises(WorkerStartError) as info:
+        await sup.start()
+    assert "fail_start" in str(info.value)
+    assert not os.path.exists(sup.private_dir)
+
+
+async def test_generate_and_stream_are_deterministic_and_agree():
+    async with fleet(2) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=20, logprobs=True)
+        result = await client.generate("g", [7, 8], params)
+        chunks, final = [], None
+        async for item in client.stream("s", [7, 8], params):
+            if hasattr(item, "finish_reason"):
+                final = item
+            else:
+                chunks.extend(item.token_ids)
+        assert result.token_ids == expected_tokens([7, 8], 20) == chunks == final.token_ids
+        assert result.finish_reason == "length" and len(result.logprobs) == 20
+        assert result.weight_versions == [0] and result.worker.startswith("w")
+
+
+async def test_stop_token_ends_generation():
+    async with fleet(1) as sup:
+        toks = expected_tokens([3], 10)
+        result = await sup.client().generate("s", [3], SamplingParams(max_tokens=10, stop_token_ids=[toks[4]]))
+        assert result.token_ids == toks[:5] and result.finish_reason == "stop"
+
+
+async def test_abort_one_of_many_leaves_others_untouched():
+    async with fleet(2, engine_options={"tokens_per_s": 200}) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=40)
+        tasks = {i: asyncio.create_task(client.generate(f"r{i}", [i + 1], params)) for i in range(8)}
+        await asyncio.sleep(0.05)
+        assert await client.abort("r3")
+        assert not await client.abort("nope")
+        results = {i: await t for i, t in tasks.items()}
+        aborted = results.pop(3)
+        assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 40
+        assert aborted.token_ids == expected_tokens([4], len(aborted.token_ids))
+        for i, r in results.items():
+            assert r.finish_reason == "length" and r.token_ids == expected_tokens([i + 1], 40)
+        assert len(sup.table) == 0
+
+
+async def test_duplicate_request_id_is_refused():
+    async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
+        client = sup.client()
+        first = asyncio.create_task(client.generate("same", [1], SamplingParams(max_tokens=20)))
+        await asyncio.sleep(0.02)
+        with pytest.raises(DuplicateRequest):
+            await client.generate("same", [1], SamplingParams(max_tokens=2))
+        assert len((await first).token_ids) == 20
+
+
+async def test_cancellation_reaches_the_worker():
+    async with fleet(1, engine_options={"tokens_per_s": 50}) as sup:
+        client = sup.client()
+        with pytest.raises(RequestTimeout):
+            await client.generate("slow", [1], SamplingParams(max_tokens=1000), timeout=0.2)
+        task = asyncio.create_task(client.generate("slow2", [1], SamplingParams(max_tokens=1000)))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(sup.table) == 0
+
+        async def engine_idle():
+            stats = await sup.stats()
+            return all(w["engine_stats"]["num_running"] == 0 for w in stats["workers"])
+
+        assert await wait_for(engine_idle, 3.0)
+        assert sup.counters["cancelled"] == 2
+
+
+async def test_hooks_are_called():
+    class Recording(LLMClient):
+        def __init__(self, sup):
+            super().__init__(sup)
+            self.events = []
+
+        def on_dispatch(self, rid):
+            self.events.append(("dispatch", rid))
+
+        def on_complete(self, result):
+            self.events.append(("complete", result.request_id))
+
+        def on_cancel(self, rid):
+            self.events.append(("cancel", rid))
+
+    async with fleet(1, engine_options={"tokens_per_s": 50}) as sup:
+        client = Recording(sup)
+        await client.generate("a", [1], SamplingParams(max_tokens=2))
+        with pytest.raises(RequestTimeout):
+            await client.generate("b", [1], SamplingParams(max_tokens=100), timeout=0.05)
+        assert client.events == [("dispatch", "a"), ("complete", "a"), ("dispatch", "b"), ("cancel", "b")]
+
+
+async def test_sigkill_of_a_worker_fails_its_requests_with_a_typed_error():
+    async with fleet(2, engine_options={"tokens_per_s": 100}, resume=False, deterministic_routing=True) as sup:
+        client = sup.client()
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=60)))
+                 for i in range(6)]
+        await asyncio.sleep(0.1)
+        victim = sup.slots[0]
+        on_victim = {e.request_id for e in sup.table.on_worker(victim.worker_id)}
+        assert on_victim
+        os.kill(victim.pid, signal.SIGKILL)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, out in enumerate(outcomes):
+            if f"r{i}" in on_victim:
+                assert isinstance(out, WorkerLost), out
+            else:
+                assert out.token_ids == expected_tokens([i + 1], 60)
+        assert len(sup.table) == 0
+        # The fleet keeps serving, and the dead worker is restarted.
+        assert (await client.generate("after", [2], SamplingParams(max_tokens=3))).token_ids == expected_tokens([2], 3)
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10.0)
+        stats = await sup.stats()
+        assert stats["workers"][0]["restarts"] == 1
+        assert "code -9" in stats["workers"][0]["last_error"]
+
+
+async def test_hung_worker_is_detected_by_missed_heartbeats():
+    async with fleet(2, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0) as sup:
+        victim = sup.slots[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        assert await wait_for(lambda: victim.worker_id not in sup.workers, 5.0)
+        assert "heartbeat" in victim.last_error
+        assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10.0)
+
+
+SUPERVISOR_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from rollfleet.actors import Supervisor, FleetConfig
+    async def main():
+        sup = Supervisor(FleetConfig(engine="echo", num_workers=2))
+        await sup.start()
+        print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+        await asyncio.sleep(60)
+    asyncio.run(main())
+""")
+
+
+def test_sigkill_of_the_supervisor_takes_the_workers_down_within_2s():
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        private_dir, pids = line[0], [int(p) for p in line[1:]]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+            time.sleep(0.05)
+        assert not any(psutil.pid_exists(p) for p in pids)
+        assert not os.path.exists(private_dir), "socket directory left behind"
+    finally:
+        proc.kill()
+
+
+async def test_100k_requests_leave_the_table_empty_and_memory_flat():
+    async with fleet(2, max_sticky=1000) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=1)
+        sem = asyncio.Semaphore(256)
+
+        async def one(i):
+            async with sem:
+                await client.generate(f"r{i}", [i % 100 + 1], params)
+
+        async def batch(start, n):
+            await asyncio.gather(*(one(i) for i in range(start, start + n)))
+
+        tracemalloc.start()
+        await batch(0, 10_000)  # warm-up: fills the sticky LRU and every free list
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for start in range(10_000, 100_000, 10_000):
+            await batch(start, 10_000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        assert len(sup.table) == 0 and sup.table.num_inner == 0 and not sup._per_origin
+        assert sup.counters["completed"] == 100_000
+        # 90k requests after warm-up: anything kept per request would show as megabytes.
+        assert grown < 2 * 1024 * 1024, f"memory grew by {grown} bytes"
+
+
+async def test_remote_client_over_the_frontend_socket():
+    async with fleet(2, engine_options={"tokens_per_s": 200}) as sup:
+        async with RemoteClient(sup.frontend_address) as remote:
+            result = await remote.generate("x", [9], SamplingParams(max_tokens=5))
+            assert result.token_ids == expected_tokens([9], 5)
+            streamed = []
+            async for item in remote.stream("y", [9], {"max_tokens": 6}):
+                if not hasattr(item, "finish_reason"):
+                    streamed.extend(item.token_ids)
+            assert streamed == expected_tokens([9], 6)
+            long = asyncio.create_task(remote.generate("z", [1], SamplingParams(max_tokens=500)))
+            await asyncio.sleep(0.05)
+            assert await remote.abort("z")
+            assert (await long).finish_reason == "abort"
+            assert not await remote.abort("never-sent")
+            stats = await remote.stats()
+            assert stats["num_workers"] == 2 and len(stats["workers"]) == 2
+
+
+async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
+    async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
+        client = sup.client()
+        running = asyncio.create_task(client.generate("keep", [4], SamplingParams(max_tokens=30)))
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(sup.frontend_address)
+        try:
+            cases = [
+                ([b"\xc1\xc1"], "bad_frame"),
+                ([msgpack.packb({"v": 1, "type": "nope", "id": "1"})], "unknown_type"),
+                ([msgpack.packb({"v": 1, "type": "generate", "id": "2", "prompt_ids": "x"})], "bad_field"),
+                ([msgpack.packb({"v": 1, "type": "heartbeat", "id": "3"})], "unknown_type"),
+                ([msgpack.packb({"v": 1, "type": "abort", "id": "4", "request_id": "ghost"})], "unknown_request"),
+                ([msgpack.packb({"v": 1, "type": "control", "id": "5", "op": "reboot"})], "unknown_op"),
+            ]
+            for frames, code in cases:
+                await sock.send_multipart(frames)
+                reply = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 5))
+                assert reply["type"] == "error" and reply["code"] == code, reply
+        finally:
+            sock.close(0)
+            ctx.term()
+        assert (await running).token_ids == expected_tokens([4], 30)
+
+
+def test_device_env_is_safe_and_maps_visible_devices():
+    assert device_env("cpu", {}) == {}
+    assert device_env("cuda:1", {}) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert device_env("cuda:1", {"CUDA_VISIBLE_DEVICES": "4,5"}) == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert device_env("npu:0", {}) == {"ASCEND_RT_VISIBLE_DEVICES": "0"}
+    assert device_env("cuda", {"CUDA_VISIBLE_DEVICES": ""}) == {"CUDA_VISIBLE_DEVICES": "0"}

@@ -1,0 +1,155 @@
+"""Sender and receiver in one process over LocalLink (every message through the wire codec)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rollfleet.errors import EngineFailed, InvalidRequest, WeightUpdateError
+from rollfleet.transport.messages import WeightsBucket, WeightsEnd
+from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, choose_transport
+from rollfleet.weights import shm
+from weights_harness import DescriptorEngine, LocalLink, StoreEngine, digest, make_weights
+
+
+def local(worker_id, engine=None):
+    engine = engine or StoreEngine()
+    return LocalLink(worker_id, WeightReceiver(engine)), engine
+
+
+def mine():
+    import os
+
+    return shm.list_segments(os.getpid())
+
+
+@pytest.mark.parametrize("bucket_bytes", [256, 4096, 1 << 20])
+async def test_update_delivers_every_tensor_bit_exact_to_every_worker(bucket_bytes):
+    weights = make_weights(big_bytes=3 * bucket_bytes)
+    pairs = [local("a"), local("b")]
+    report = await WeightSender(WeightSyncConfig(bucket_bytes=bucket_bytes, transport="shm")).update(
+        iter(weights), 7, [link for link, _ in pairs]
+    )
+    assert report.ok and report.version == 7 and report.num_tensors == len(weights)
+    assert report.bytes == sum(t.numel() * t.element_size() for _, t in weights)
+    for link, engine in pairs:
+        assert engine.digests() == {n: digest(t) for n, t in weights}
+        assert link.receiver.version == 7
+        assert report.workers[link.worker_id].ok and report.workers[link.worker_id].transport == "shm"
+        buffers = {m.buffer for m in link.sent if isinstance(m, WeightsBucket)}
+        assert buffers == ({0, 1} if report.num_buckets > 1 else {0})
+    assert mine() == []
+
+
+async def test_buffers_are_shared_once_per_update_not_per_bucket():
+    link, _ = local("a")
+    await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm")).update(make_weights(), 1, [link])
+    begins = [m for m in link.sent if type(m).__name__ == "WeightsBegin"]
+    assert len(begins) == 1 and len(begins[0].buffers) == 2
+    allowed = {"name", "dtype", "shape", "offset", "nbytes", "part_offset", "total_nbytes"}
+    assert all(set(e) <= allowed for m in link.sent if isinstance(m, WeightsBucket) for e in m.tensors)
+
+
+async def test_generator_is_consumed_at_most_two_buckets_ahead():
+    taken = []
+
+    def gen():
+        for i in range(40):
+            taken.append(i)
+            yield f"t{i}", torch.full((16,), i, dtype=torch.int32)  # 64 bytes: 4 per 256-byte bucket
+
+    class Watching(StoreEngine):
+        async def load_weights(self, weights):
+            seen.append((len(self.weights), len(taken)))
+            await super().load_weights(weights)
+
+    seen = []
+    link, engine = local("a", Watching())
+    await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm")).update(gen(), 1, [link])
+    assert len(engine.weights) == 40
+    for loaded, pulled in seen:
+        assert pulled <= loaded + 4 * 2 + 1 + 4  # this bucket, two more, one pending
+
+
+async def test_abort_keeps_old_version_and_failure_names_the_worker():
+    good, good_engine = local("good")
+
+    class Broken(StoreEngine):
+        fail_at = -1
+
+        async def load_weights(self, weights):
+            if self.num_loads == self.fail_at:
+                raise RuntimeError("disk on fire")
+            await super().load_weights(weights)
+
+    broken = Broken()
+    bad, _ = local("bad", broken)
+    sender = WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm"))
+    await sender.update(make_weights(), 3, [good, bad])
+    broken.fail_at = broken.num_loads + 2
+    with pytest.raises(WeightUpdateError, match="bad.*disk on fire") as info:
+        await sender.update(make_weights(seed=1), 4, [good, bad])
+    assert info.value.worker_id == "bad" and isinstance(info.value.__cause__, EngineFailed)
+    assert info.value.report.workers["bad"].error
+    assert good.receiver.version == 3 and bad.receiver.version == 3
+    assert [m.commit for m in good.sent if isinstance(m, WeightsEnd)][-1] is False
+    assert good.receiver._update is None
+    assert mine() == []
+
+
+async def test_bad_input_mid_stream_aborts_everywhere():
+    link, _ = local("a")
+
+    def gen():
+        yield from make_weights()
+        yield "bad", "not a tensor"
+
+    with pytest.raises(WeightUpdateError, match="not a tensor|torch.Tensor"):
+        await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm")).update(gen(), 1, [link])
+    assert link.receiver.version == 0 and link.receiver._update is None and mine() == []
+
+
+async def test_receiver_refuses_out_of_order_messages():
+    rx = WeightReceiver(StoreEngine())
+    with pytest.raises(InvalidRequest):
+        await rx.handle(WeightsBucket(id="w1.0", index=0, buffer=0, tensors=[]))
+    assert (await rx.handle(WeightsEnd(id="w1.end", version=5, commit=False)))["version"] == 0
+    with pytest.raises(InvalidRequest):
+        await rx.handle(WeightsEnd(id="w1.end", version=5, commit=True))
+
+
+async def test_empty_update_commits_the_version():
+    link, _ = local("a")
+    report = await WeightSender(WeightSyncConfig(transport="shm")).update([], 9, [link])
+    assert report.ok and report.num_buckets == 0 and link.receiver.version == 9
+
+
+async def test_descriptor_engine_gets_raw_entries_by_shm_name():
+    engine = DescriptorEngine()
+    link, _ = local("a", engine)
+    weights = make_weights(big_bytes=2000)
+    await WeightSender(WeightSyncConfig(bucket_bytes=1024, transport="shm")).update(weights, 2, [link])
+    assert engine.digests() == {n: digest(t) for n, t in weights}
+    assert engine.descriptors and all(d["shm_name"].startswith("rf-") for d in engine.descriptors)
+    assert any("part_offset" in e for d in engine.descriptors for e in d["tensors"])
+    assert mine() == []
+
+
+async def test_collective_gloo_in_one_process_alongside_shm():
+    weights = make_weights(big_bytes=5000)
+    a, a_engine = local("a")
+    b, b_engine = local("b")
+    b.host = "elsewhere.invalid"  # auto picks collective for a remote host
+    cfg = WeightSyncConfig(bucket_bytes=2048, master_addr="127.0.0.1", timeout_s=30)
+    assert choose_transport(a, cfg) == "shm" and choose_transport(b, cfg) == "collective"
+    report = await WeightSender(cfg).update(weights, 11, [a, b])
+    assert report.workers["b"].transport == "collective"
+    for engine in (a_engine, b_engine):
+        assert engine.digests() == {n: digest(t) for n, t in weights}
+    assert b.receiver.version == 11
+
+
+def test_config_is_validated():
+    for bad in ({"bucket_bytes": 10}, {"transport": "carrier-pigeon"}, {"timeout_s": 0}, {"device": "cpu"}):
+        with pytest.raises(ValueError):
+            WeightSyncConfig(**bad)

@@ -1,0 +1,250 @@
+"""The engine side of a weight update; runs inside the engine worker process.
+
+The worker hands every WeightsBegin / WeightsBucket / WeightsEnd to ``handle`` and answers
+with ``Reply(data=<what handle returned>)``, or with ``Error(code=exc.code)`` when it raises a
+RolloutError (InvalidRequest for malformed or out-of-order messages, EngineFailed when the
+engine's loader raised).
+
+Per bucket the receiver turns the entries into complete (name, tensor) pairs (whole tensors
+are views of the shared buffer, valid only during the ``load_weights`` call; split tensors
+are assembled once all their parts arrived) and awaits ``engine.load_weights(pairs)``.
+
+Descriptor path: an engine that must read the buffer in another process (vLLM reads in
+its own worker process) defines ``load_weights_from_descriptor(descriptor)``; with the shm
+transport it is called once per bucket with ``{'shm_name', 'size', 'tensors'}``, where
+``tensors`` are the raw entries (split parts not joined: use ``bucket.Assembler`` on that
+side) and ``shm_name`` is a file in /dev/shm to map with ``shm.attach``. The segment names
+then stay alive for the whole update; this receiver unlinks them if the sender dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import EngineFailed, InvalidRequest, RolloutError
+from ..transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
+from . import shm
+from .bucket import Assembler, bucket_nbytes
+from .config import TRANSPORTS
+
+__all__ = ["WeightReceiver"]
+
+logger = logging.getLogger(__name__)
+
+
+def _update_id(msg_id: str) -> str:
+    return msg_id.rsplit(".", 1)[0]
+
+
+@dataclass(slots=True)
+class _Update:
+    uid: str
+    version: int
+    transport: str
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    descriptor: bool = False
+    sender_pid: int | None = None
+    sender_start: float | None = None
+    group: Any = None
+    watchdog: asyncio.Task | None = None
+    assembler: Assembler = field(default_factory=Assembler)
+    nbytes: int = 0
+    num_buckets: int = 0
+
+
+class WeightReceiver:
+    """Applies weight updates to one engine. ``version`` is the last committed version."""
+
+    def __init__(self, engine: Any, *, device: str = "cpu", watch_interval_s: float = 0.5) -> None:
+        self.engine = engine
+        self.device = torch.device(device)
+        self.version = 0
+        self.watch_interval_s = watch_interval_s
+        self._update: _Update | None = None
+        # Buckets of one update must be handled in order (collectives pair up by order);
+        # asyncio.Lock wakes waiters first-come first-served.
+        self._lock = asyncio.Lock()
+
+    async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd) -> dict[str, Any]:
+        """Apply one weights message; returns the Reply data. Raises RolloutError."""
+        async with self._lock:
+            try:
+                if isinstance(msg, WeightsBegin):
+                    return await self._begin(msg)
+                if isinstance(msg, WeightsBucket):
+                    return await self._bucket(msg)
+                if isinstance(msg, WeightsEnd):
+                    return self._end(msg)
+            except RolloutError:
+                raise
+            except ValueError as exc:
+                raise InvalidRequest(f"{msg.TYPE.value}: {exc}") from exc
+            raise InvalidRequest(f"not a weights message: {type(msg).__name__}")
+
+    def close(self) -> None:
+        """Release everything held; unlinks kept shm names only if their sender is gone."""
+        if self._update is not None:
+            self._drop(sender_gone=not self._sender_alive(self._update))
+
+    # ------------------------------------------------------------------ messages
+
+    async def _begin(self, msg: WeightsBegin) -> dict[str, Any]:
+        if self._update is not None:
+            logger.warning("weight update %s abandoned; starting %s", self._update.uid, _update_id(msg.id))
+            self._drop(sender_gone=not self._sender_alive(self._update))
+        if msg.transport not in TRANSPORTS:
+            raise InvalidRequest(f"unknown weights transport {msg.transport!r}")
+        up = _Update(uid=_update_id(msg.id), version=msg.version, transport=msg.transport)
+        try:
+            sizes = [b.get("size", b.get("nbytes")) for b in msg.buffers]
+            if not sizes or not all(type(s) is int and s > 0 for s in sizes):
+                raise ValueError("every buffer needs a positive 'size'")
+            up.sizes = sizes
+            if msg.transport == "shm":
+                await self._open_shm(up, msg)
+            elif msg.transport == "cuda_ipc":
+                from .cuda_ipc import open_shared
+
+                index = self.device.index if self.device.type == "cuda" else None
+                up.buffers = [open_shared(b, index) for b in msg.buffers]
+            else:
+                await self._open_collective(up, msg)
+        except BaseException:
+            self._release(up, unlink=False)
+            raise
+        self._update = up
+        return {"keep_names": up.descriptor, "version": self.version}
+
+    async def _open_shm(self, up: _Update, msg: WeightsBegin) -> None:
+        names = [b.get("name") for b in msg.buffers]
+        for name in names:
+            shm._path(name)  # validates: only rollfleet names, nothing outside /dev/shm
+        up.names = names
+        pid, start = msg.options.get("sender_pid"), msg.options.get("sender_start")
+        up.sender_pid = pid if type(pid) is int else None
+        up.sender_start = float(start) if type(start) in (int, float) else None
+        up.descriptor = callable(getattr(self.engine, "load_weights_from_descriptor", None))
+        if up.descriptor:
+            # Names must outlive this message; if the sender dies, nobody else unlinks them.
+            if up.sender_pid is not None:
+                up.watchdog = asyncio.create_task(self._watch(up))
+        else:
+            up.buffers = [shm.attach(n, s) for n, s in zip(names, up.sizes)]
+
+    async def _open_collective(self, up: _Update, msg: WeightsBegin) -> None:
+        from .collective import make_group
+
+        backend = msg.options.get("backend")
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError("nccl needs a receiver on a CUDA device")
+        up.buffers = [torch.empty(s, dtype=torch.uint8, device=device) for s in up.sizes]
+        up.group = await asyncio.to_thread(make_group, dict(msg.options))
+
+    async def _bucket(self, msg: WeightsBucket) -> dict[str, Any]:
+        up = self._current(msg.id)
+        if not 0 <= msg.buffer < len(up.sizes):
+            raise ValueError(f"buffer {msg.buffer} out of range")
+        entries = msg.tensors
+        if not all(type(e) is dict and type(e.get("offset")) is int and type(e.get("nbytes")) is int for e in entries):
+            raise ValueError("every tensor entry needs int 'offset' and 'nbytes'")
+        nbytes = bucket_nbytes(entries)
+        if not 0 <= nbytes <= up.sizes[msg.buffer]:
+            raise ValueError(f"tensor entries need {nbytes} bytes, buffer has {up.sizes[msg.buffer]}")
+        if up.transport == "collective" and nbytes:
+            from .collective import broadcast
+
+            work = broadcast(up.group, up.buffers[msg.buffer][:nbytes])
+            await asyncio.to_thread(work.wait)
+        num = len(entries)
+        try:
+            if up.descriptor:
+                desc = {"shm_name": up.names[msg.buffer], "size": up.sizes[msg.buffer], "tensors": entries}
+                result = self.engine.load_weights_from_descriptor(desc)
+                if inspect.isawaitable(result):
+                    await result
+            else:
+                buf = up.buffers[msg.buffer]
+                pairs = up.assembler.add(buf, entries)
+                num = len(pairs)
+                if pairs:
+                    await self.engine.load_weights(pairs)
+                if buf.is_cuda:
+                    # The sender reuses this buffer once we reply: our reads must be done.
+                    torch.cuda.synchronize(buf.device)
+        except (RolloutError, ValueError):
+            raise
+        except Exception as exc:
+            raise EngineFailed(f"engine failed to load bucket {msg.index}: {type(exc).__name__}: {exc}") from exc
+        up.nbytes += sum(e["nbytes"] for e in entries)
+        up.num_buckets += 1
+        return {"index": msg.index, "num_tensors": num}
+
+    def _end(self, msg: WeightsEnd) -> dict[str, Any]:
+        up = self._update
+        if not msg.commit:
+            if up is not None and up.uid == _update_id(msg.id):
+                self._drop(sender_gone=False)
+            return {"version": self.version, "aborted": True}
+        up = self._current(msg.id)
+        try:
+            if msg.version != up.version:
+                raise ValueError(f"end version {msg.version} != begin version {up.version}")
+            if up.assembler.incomplete:
+                raise ValueError(f"update ended with incomplete tensors: {up.assembler.incomplete[:5]}")
+        except ValueError:
+            self._drop(sender_gone=False)
+            raise
+        self.version = msg.version
+        self._drop(sender_gone=False)
+        return {"version": self.version, "bytes": up.nbytes, "num_buckets": up.num_buckets}
+
+    # ------------------------------------------------------------------ state
+
+    def _current(self, msg_id: str) -> _Update:
+        up = self._update
+        if up is None:
+            raise InvalidRequest("no weight update in progress")
+        if up.uid != _update_id(msg_id):
+            raise InvalidRequest(f"message {msg_id!r} does not belong to update {up.uid!r}")
+        return up
+
+    def _drop(self, *, sender_gone: bool) -> None:
+        up, self._update = self._update, None
+        if up is not None:
+            self._release(up, unlink=sender_gone)
+
+    def _release(self, up: _Update, *, unlink: bool) -> None:
+        if up.watchdog is not None and up.watchdog is not asyncio.current_task():
+            up.watchdog.cancel()
+        up.buffers = []
+        up.assembler.clear()
+        if up.group is not None:
+            from .collective import close_group
+
+            close_group(up.group)
+            up.group = None
+        if unlink:
+            for name in up.names:
+                if shm.unlink(name):
+                    logger.info("unlinked %s left by dead sender %s", name, up.sender_pid)
+
+    @staticmethod
+    def _sender_alive(up: _Update) -> bool:
+        return up.sender_pid is None or shm.pid_alive(up.sender_pid, up.sender_start)
+
+    async def _watch(self, up: _Update) -> None:
+        while self._sender_alive(up):
+            await asyncio.sleep(self.watch_interval_s)
+        logger.warning("weight sender %s died during update %s; dropping it", up.sender_pid, up.uid)
+        if self._update is up:
+            self._update = None
+        self._release(up, unlink=True)
