@@ -77,6 +77,11 @@ class FleetConfig:
     """Where the fleet's private directory is created; None: the system temp dir."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for worker processes."""
+    weights: dict[str, Any] = field(default_factory=dict)
+    """Weight transfer settings (weights.WeightSyncConfig fields: bucket_bytes, transport, ...)."""
+    keep_last_weights: bool = True
+    """Keep a CPU copy of the last update so a restarted worker can be brought to it. Turn off
+    for big models and pass update_weights a callable that yields the tensors instead."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_NAMES:

@@ -57,6 +57,7 @@ from .handle import RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
 from .process import WorkerProcess, device_env
 from .router import Router
+from .updates import WeightSync
 
 __all__ = ["Supervisor"]
 
@@ -99,7 +100,7 @@ class Supervisor:
         self._closed = False
         self._max_bytes = config.max_message_bytes
         self._paused = False  # a weight update holds new dispatches
-        self.weights: Any = None  # set by the weights integration (WeightSync)
+        self.weights = WeightSync(self, keep_last_weights=config.keep_last_weights)
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "Supervisor":
@@ -382,7 +383,7 @@ class Supervisor:
         handle.capabilities = list(msg.capabilities)
         handle.weight_version = msg.weight_version
         self._send_worker(handle, Reply(id=msg.id, data={"worker_id": handle.worker_id}))
-        if self.weights is not None and self.weights.needs_catch_up(handle):
+        if self.weights.needs_catch_up(handle):
             # A restarted worker must hold the current weights before it serves.
             task = asyncio.create_task(self._catch_up(handle), name=f"rollfleet-catch-up-{handle.worker_id}")
             self._tasks.append(task)
@@ -660,6 +661,22 @@ class Supervisor:
                 raise res
             out[h.worker_id] = res
         return out
+
+    async def update_weights(self, named_tensors: Any, version: int, *, transport: str | None = None,
+                             bucket_bytes: int | None = None) -> Any:
+        """Push new weights to every ready worker and stamp them with ``version``.
+
+        ``named_tensors`` is an iterable of (name, tensor), consumed lazily (a generator lets
+        an FSDP trainer gather one parameter at a time), or a callable returning one (then it
+        is called again to bring restarted workers up to date). Running requests are
+        interrupted and, unless they asked for hard abort, resume afterwards with their
+        partial output. Returns a weights.UpdateReport.
+
+        Raises WeightUpdateError naming the worker and the cause (every worker then keeps
+        its previous version and generation resumes), FleetClosed, ValueError.
+        """
+        self._check_open()
+        return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes)
 
     async def stats(self, engines: bool = True) -> dict[str, Any]:
         """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker)."""

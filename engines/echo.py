@@ -4,7 +4,7 @@ Tokens are a deterministic function of the sequence so far (its last token and i
 length), so resuming with prompt + partial tokens continues exactly where an
 uninterrupted run would. ``tokens_per_s`` paces generation (0: as fast as possible).
 A weight update with a tensor named ``offset`` shifts every later token, so tests can
-see which weights produced which tokens.
+see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ class EchoEngine(Engine):
 
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         for name, tensor in weights:
+            if name == "fail":  # lets tests exercise a worker that cannot load an update
+                raise ValueError("echo engine was sent a tensor named 'fail'")
             if name == "offset":
                 self.offset = int(tensor.reshape(-1)[0]) if hasattr(tensor, "reshape") else int(tensor)
 

@@ -4,7 +4,8 @@
 cached tokens in the last n_i columns, ``mask`` hides the padding, ``pos`` counts each
 row's own tokens (its next position id) and ``last`` is each row's next input token.
 Rows join after their own unpadded prefill and leave when they finish; the transformers
-``DynamicCache`` is rebuilt only then, and grows in place during decode steps.
+``DynamicCache`` is rebuilt only then, and grows in place during decode steps. Meant for
+full-attention models (Llama, Qwen, ...); sliding-window layers would need their own care.
 
 ``sample`` draws a token per row under that row's temperature, top-k and top-p.
 """
@@ -35,29 +36,28 @@ class Batch:
         return [(layer.keys, layer.values) for layer in self.cache.layers] if self.cache else []
 
     def add(self, parts: list[tuple[Any, Any, int]], config: Any) -> None:
-        """Append rows: (seq, its prefill cache, its next input token)."""
+        """Append rows, one per (seq, its own prefill DynamicCache, its next input token)."""
         from transformers import DynamicCache
 
-        lengths = [c.layers[0].keys.shape[2] for _, c, _ in parts]
+        lengths = [cache.layers[0].keys.shape[2] for _, cache, _ in parts]
         width = max([self.mask.shape[1], *lengths])
-        kv = [[pad_left(k, width - k.shape[2]), pad_left(v, width - v.shape[2])] for k, v in self.layers()]
+        keys: list[list[torch.Tensor]] = [[] for _ in parts[0][1].layers]
+        values: list[list[torch.Tensor]] = [[] for _ in parts[0][1].layers]
+        caches = ([(self.layers(), self.mask.shape[1])] if self.seqs else []) + [
+            ([(layer.keys, layer.values) for layer in cache.layers], n) for (_, cache, _), n in zip(parts, lengths)
+        ]
+        for layers, n in caches:
+            for i, (k, v) in enumerate(layers):
+                keys[i].append(pad_left(k, width - n))
+                values[i].append(pad_left(v, width - n))
+        columns = torch.arange(width, device=self.device)
         masks = [pad_left(self.mask, width - self.mask.shape[1])] if self.seqs else []
-        for (seq, cache, _), n in zip(parts, lengths):
-            for i, layer in enumerate(cache.layers):
-                k, v = pad_left(layer.keys, width - n), pad_left(layer.values, width - n)
-                if i < len(kv):
-                    kv[i] += [k, v]
-                else:
-                    kv.append([k, v])
-            row = torch.zeros(1, width, dtype=torch.long, device=self.device)
-            row[:, width - n:] = 1
-            masks.append(row)
-            self.seqs.append(seq)
-        # kv[i] is [k_old, v_old, k1, v1, k2, v2, ...]: keys at even places, values at odd.
-        self.cache = DynamicCache(ddp_cache_data=[(torch.cat(x[0::2]), torch.cat(x[1::2])) for x in kv],
-                                  config=config)
+        masks += [(columns >= width - n).long()[None] for n in lengths]
         self.mask = torch.cat(masks)
-        new = torch.tensor([[n, tok] for (_, _, tok), n in zip(parts, lengths)], device=self.device)
+        self.cache = DynamicCache(ddp_cache_data=[(torch.cat(k), torch.cat(v)) for k, v in zip(keys, values)],
+                                  config=config)
+        self.seqs += [seq for seq, _, _ in parts]
+        new = torch.tensor([[n, token] for (_, _, token), n in zip(parts, lengths)], device=self.device)
         self.pos = torch.cat([self.pos, new[:, 0]])
         self.last = torch.cat([self.last, new[:, 1]])
 

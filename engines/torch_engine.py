@@ -14,7 +14,8 @@ say how likely the model itself found the token, whatever the sampling settings.
 Options: ``model`` (a local directory; unset builds the tiny random Llama of ``tiny.py``
 in memory, so a demo needs no download), ``device`` ("cpu"), ``dtype`` ("float32"),
 ``max_batch_size`` (32), ``seed`` (0; the tiny model's seed and the source of seeds for
-requests without one), ``attn_implementation`` ("sdpa").
+requests without one), ``attn_implementation`` ("sdpa"), ``num_threads`` (unset: torch's
+default; set it when several CPU workers share one machine, or their threads fight).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class TorchEngine(Engine):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         self.seed = int(self.options.get("seed") or 0)
+        self.num_threads = self.options.get("num_threads")
+        if self.num_threads is not None and int(self.num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         self.model: Any = None
         self.num_requests = 0
         self._runner: Runner | None = None
@@ -67,6 +71,8 @@ class TorchEngine(Engine):
         logger.info("torch engine ready on %s (%s, max batch %d)", self.device, self.dtype, self.max_batch_size)
 
     def _load_model(self) -> Any:
+        if self.num_threads is not None:
+            torch.set_num_threads(int(self.num_threads))  # process-wide: one engine per worker process
         path = self.options.get("model")
         if path:
             from transformers import AutoModelForCausalLM

@@ -38,7 +38,7 @@ def share(tensor: torch.Tensor) -> dict[str, Any]:
     (_tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
      _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
     return {
-        "size": list(size),
+        "tensor_size": list(size),
         "stride": list(stride),
         "offset": int(offset),
         "storage_cls": storage_cls.__name__,
@@ -71,7 +71,7 @@ def open_shared(desc: dict[str, Any], device_index: int | None = None) -> torch.
         storage_cls = _STORAGE_CLASSES[desc["storage_cls"]]
         args = (
             torch.Tensor,
-            torch.Size(desc["size"]),
+            torch.Size(desc["tensor_size"]),
             tuple(desc["stride"]),
             int(desc["offset"]),
             storage_cls,
@@ -106,7 +106,7 @@ class CudaIpcChannel:
         for _ in range(num_buffers):
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.buffers.append(buf)
-            self._shared.append({**share(buf), "nbytes": size})
+            self._shared.append({**share(buf), "size": size})
 
     def begin(self, link: Any, rank: int) -> tuple[list[dict], dict]:
         return list(self._shared), {}

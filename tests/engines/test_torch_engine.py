@@ -244,6 +244,19 @@ async def test_pause_holds_requests_and_resume_finishes_them(engine, hf):
     assert (await late)[0] == tokens[:32]
 
 
+async def test_abort_while_paused_ends_the_stream_at_once(engine):
+    stream = engine.generate("paused-abort", prompts(1, seed=13)[0], GREEDY.replace(max_tokens=300))
+    await anext(stream)
+    await engine.pause()
+    try:
+        await engine.abort("paused-abort")
+        rest = [out async for out in stream]  # would hang if the abort waited for resume
+        assert rest[-1].finish_reason == "abort"
+        assert engine.stats()["num_running"] == 0
+    finally:
+        await engine.resume()
+
+
 async def test_clear_kv_cache_and_sleep_keep_running_requests_correct(engine, hf):
     prompt = prompts(1, seed=10)[0]
     expected = hf_greedy(hf, prompt, 300)
@@ -343,3 +356,29 @@ async def test_shutdown_ends_open_streams_and_is_idempotent():
         await collect(eng, "after", [1, 3], GREEDY)
     with pytest.raises(FleetClosed):
         await eng.pause()
+
+
+@pytest.mark.gpu
+async def test_cuda_greedy_matches_transformers_and_sleep_frees_the_gpu(tiny_model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
+    eng = TorchEngine({"model": tiny_model_dir, "device": "cuda"})
+    await eng.start()
+    try:
+        ps = prompts(4, seed=12)
+        results = await asyncio.gather(*(collect(eng, f"cuda-{i}", p, GREEDY) for i, p in enumerate(ps)))
+        assert [r[0] for r in results] == [hf_greedy(model, p, 32) for p in ps]
+        sampled = await collect(eng, "cuda-s", ps[0], GREEDY.replace(temperature=1.0, seed=5, logprobs=True))
+        assert len(sampled[0]) == 32 and all(lp <= 0 for lp in sampled[1])
+        stream = eng.generate("cuda-sleep", ps[1], GREEDY.replace(max_tokens=300))
+        tokens = (await anext(stream)).token_ids
+        await eng.sleep()
+        assert eng.model.lm_head.weight.device.type == "cpu"
+        await eng.wake_up()
+        assert eng.model.lm_head.weight.device.type == "cuda"
+        async for out in stream:
+            tokens += out.token_ids
+        assert tokens == hf_greedy(model, ps[1], 300)
+    finally:
+        await eng.shutdown()

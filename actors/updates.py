@@ -1,0 +1,144 @@
+"""Weight updates seen from the supervisor: pause, interrupt, send, resume, catch up.
+
+The Supervisor owns one WeightSync. An update:
+
+1. pauses dispatching (new requests wait in the pending queue);
+2. interrupts every running request: resumable ones keep their partial tokens and are
+   queued to continue; hard-abort ones finish now with finish_reason 'abort';
+3. waits until no request is bound to a worker;
+4. sends the tensors to every ready worker (weights.WeightSender);
+5. resumes dispatching, whatever happened, so a failed update never leaves the fleet stuck.
+
+A worker restarted later is brought to the current version before it serves, from the last
+update's tensors (kept on the CPU when ``keep_last_weights``) or from a callable source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import FleetClosed, WeightUpdateError
+from .handle import WorkerHandle, WorkerState
+from .inflight import State
+
+if TYPE_CHECKING:
+    from ..weights.sender import UpdateReport
+    from .supervisor import Supervisor
+
+__all__ = ["WeightSync"]
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = Iterable[tuple[str, Any]]
+
+
+class WeightSync:
+    def __init__(self, supervisor: "Supervisor", *, keep_last_weights: bool = True, drain_timeout_s: float = 30.0):
+        self.sup = supervisor
+        self.keep_last_weights = keep_last_weights
+        self.drain_timeout_s = drain_timeout_s
+        self._lock = asyncio.Lock()
+        self._source: Callable[[], NamedTensors] | None = None
+        self._last: list[tuple[str, Any]] | None = None
+        self._last_lora: dict[str, Any] | None = None
+        self.last_report: "UpdateReport | None" = None
+        self.num_updates = 0
+        self.drained: asyncio.Event = asyncio.Event()
+
+    def _sender(self, **overrides: Any) -> Any:
+        from ..weights import WeightSender, WeightSyncConfig
+
+        cfg = dict(self.sup.config.weights or {})
+        cfg.update({k: v for k, v in overrides.items() if v is not None})
+        return WeightSender(WeightSyncConfig(**cfg))
+
+    # ------------------------------------------------------------------ catch-up
+    def needs_catch_up(self, handle: WorkerHandle) -> bool:
+        has_source = self._source is not None or self._last is not None
+        return has_source and handle.weight_version != self.sup.weight_version
+
+    async def catch_up(self, handle: WorkerHandle) -> None:
+        """Bring a (re)started worker to the fleet's current version before it serves."""
+        async with self._lock:
+            if not self.needs_catch_up(handle):
+                return
+            version = self.sup.weight_version
+            tensors = self._source() if self._source is not None else list(self._last or [])
+            logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
+            await self._sender().update(tensors, version, [handle])
+            handle.weight_version = version
+
+    # ------------------------------------------------------------------ update
+    async def update(
+        self,
+        named_tensors: NamedTensors | Callable[[], NamedTensors],
+        version: int,
+        *,
+        transport: str | None = None,
+        bucket_bytes: int | None = None,
+    ) -> "UpdateReport":
+        sup = self.sup
+        if sup.closed:
+            raise FleetClosed("the fleet is not running")
+        async with self._lock:
+            if callable(named_tensors):
+                self._source = named_tensors
+                tensors: NamedTensors = named_tensors()
+            else:
+                self._source = None
+                tensors = named_tensors
+            keep: list[tuple[str, Any]] | None = [] if self.keep_last_weights and self._source is None else None
+            if keep is not None:
+                tensors = _tee(tensors, keep)
+            sup._paused = True
+            try:
+                await self._interrupt_and_drain()
+                links = [h for h in sup.workers.values() if h.state is WorkerState.READY]
+                if not links:
+                    raise WeightUpdateError("no ready worker to update")
+                sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
+                try:
+                    report = await sender.update(tensors, version, links)
+                except WeightUpdateError as exc:
+                    self.last_report = getattr(exc, "report", None)
+                    logger.error("weight update to version %d failed: %s", version, exc)
+                    raise
+                for h in links:
+                    h.weight_version = version
+                sup.weight_version = version
+                if keep is not None:
+                    self._last = keep
+                self.last_report = report
+                self.num_updates += 1
+                return report
+            finally:
+                sup._paused = False
+                sup._pump()
+
+    async def _interrupt_and_drain(self) -> None:
+        sup = self.sup
+        for entry in list(sup.table):
+            if entry.inner_id is None or entry.state is not State.RUNNING:
+                continue
+            entry.state = State.INTERRUPTED if entry.resume else State.ABORTING
+            sup._abort_on_worker(entry)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout_s
+        while sup.table.num_inner:
+            if loop.time() > deadline:
+                stuck = {e.worker_id for e in sup.table if e.inner_id is not None}
+                for handle in [sup.workers[w] for w in stuck if w in sup.workers]:
+                    handle.last_error = f"did not stop its requests within {self.drain_timeout_s}s for a weight update"
+                    handle.proc.kill()  # its requests resume elsewhere through the death path
+                deadline = loop.time() + self.drain_timeout_s
+            await asyncio.sleep(0.002)
+
+
+def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Pass tensors through while keeping a CPU copy of each (for restarted workers)."""
+    for name, tensor in tensors:
+        keep.append((name, tensor.detach().to("cpu", copy=True)))
+        yield name, tensor

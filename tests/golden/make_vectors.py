@@ -1,0 +1,166 @@
+"""Writes the golden vectors: one ``<type>.msgpack`` and one ``<type>.json`` per message type.
+
+``<type>.msgpack`` is the header frame exactly as rollfleet's codec encodes the message below;
+``<type>.json`` is the map that frame decodes to, keys in wire order. JSON cannot say
+everything msgpack can, so two conventions apply (PROTOCOL.md, "Golden vectors"):
+
+- a msgpack ``bin`` value is written ``{"$bin": "<lowercase hex>"}``;
+- a msgpack float is written with a fraction or exponent (``1.0``, ``-0.25``), an integer
+  without one, so a reader that keeps JSON number kinds can tell them apart.
+
+Regenerate after a deliberate wire change, and review the diff:
+``.venv/bin/python tests/golden/make_vectors.py``. Every field holds a value, most of
+them not the default, so a renamed, retyped or reordered field changes some file.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+import msgpack
+
+from rollfleet.transport import codec
+from rollfleet.transport.messages import (
+    Abort,
+    Chunk,
+    Control,
+    Error,
+    Generate,
+    Heartbeat,
+    Message,
+    Register,
+    Reply,
+    Result,
+    SamplingParams,
+    Shutdown,
+    Stats,
+    WeightsBegin,
+    WeightsBucket,
+    WeightsEnd,
+    WorkerExit,
+)
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+# Values are chosen to cover msgpack's encodings: positive fixint (3), uint8 (200), uint16
+# (300), uint32 (70000, 1048576), negative fixint (-1), float64, nil, true/false, str, bin,
+# nested maps and arrays, empty map and empty array.
+VECTORS: list[Message] = [
+    Generate(
+        id="req-1",
+        prompt_ids=[1, 3, 200, 300, 70000],
+        sampling=SamplingParams(max_tokens=8, temperature=0.75, top_p=0.5, top_k=-1, seed=1234,
+                                stop_token_ids=[2], ignore_eos=True, logprobs=True),
+        stream=True,
+        session_id="session-7",
+        resume=False,
+    ),
+    Abort(id="abort-1", request_id="req-1"),
+    Stats(id="stats-1"),
+    Control(id="control-1", op="start_profile", args={"trace_dir": "/tmp/rollfleet-trace"}),
+    Chunk(id="req-1", token_ids=[17, 20308], logprobs=[-0.25, -1.5], weight_version=3),
+    Result(
+        id="req-1",
+        token_ids=[17, 20308, 4, 31999],
+        finish_reason="length",
+        logprobs=[-0.25, -1.5, -0.125, -2.0],
+        weight_versions=[2, 3],
+        num_preemptions=1,
+        worker="w1-0",
+        timings={"total": 0.5, "queue": 0.125, "first_token": 0.25},
+    ),
+    Reply(
+        id="stats-1",
+        ok=True,
+        data={
+            "workers": [{"worker_id": "w0-0", "state": "ready", "num_inflight": 0, "last_error": None}],
+            "num_workers": 1,
+            "weight_version": 3,
+            "host": "node-1",
+            "load": 0.5,
+            "paused": False,
+            "empty": {},
+            "none": [],
+        },
+    ),
+    Error(id="req-2", code="bad_field", message="generate: max_tokens must be >= 0, got -1", request_id="req-2"),
+    Register(
+        id="register",
+        worker_id="w0-0",
+        pid=4242,
+        engine="echo",
+        device="cuda:0",
+        capabilities=["clear_kv_cache", "load_weights", "pause"],
+        weight_version=7,
+        host="node-1",
+    ),
+    Heartbeat(id="hb", num_inflight=3, num_tokens=123456, weight_version=7),
+    WorkerExit(id="fatal", reason="engine died serving a request: RuntimeError('out of memory')", fatal=True),
+    Shutdown(id="shutdown"),
+    WeightsBegin(
+        id="weights-1",
+        version=8,
+        transport="cuda_ipc",
+        bucket_bytes=1048576,
+        buffers=[{"handle": bytes(range(0, 64, 4)), "size": 1048576, "device_uuid": "GPU-0000"}],
+        options={"lora": None, "num_buffers": 1},
+    ),
+    WeightsBucket(
+        id="weights-2",
+        index=0,
+        buffer=1,
+        tensors=[
+            {"name": "model.norm.weight", "dtype": "bfloat16", "shape": [64], "offset": 0, "nbytes": 128},
+            {"name": "lm_head.weight", "dtype": "float32", "shape": [300, 64], "offset": 128, "nbytes": 70000,
+             "part_offset": 0, "total_nbytes": 76800},
+        ],
+    ),
+    WeightsEnd(id="weights-3", version=8, commit=True),
+]
+
+
+def to_json(value: Any) -> Any:
+    """A decoded msgpack value as JSON-able data, bins as {"$bin": hex}."""
+    if isinstance(value, bytes):
+        return {"$bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    return value
+
+
+def from_json(value: Any) -> Any:
+    """The inverse of ``to_json``."""
+    if isinstance(value, dict):
+        if set(value) == {"$bin"}:
+            return bytes.fromhex(value["$bin"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def vector_files(directory: pathlib.Path = HERE) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
+    """Message type -> (msgpack file, json file) for every vector on disk."""
+    return {p.stem: (p, p.with_suffix(".json")) for p in sorted(directory.glob("*.msgpack"))}
+
+
+def write(directory: pathlib.Path = HERE) -> list[str]:
+    names = []
+    for msg in VECTORS:
+        raw = codec.encode(msg)
+        decoded = msgpack.unpackb(raw, raw=False)
+        name = msg.TYPE.value
+        (directory / f"{name}.msgpack").write_bytes(raw)
+        (directory / f"{name}.json").write_text(json.dumps(to_json(decoded), indent=2) + "\n")
+        names.append(name)
+    return names
+
+
+if __name__ == "__main__":
+    written = write(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
+    print(f"wrote {len(written)} vectors: {', '.join(written)}")

@@ -1,0 +1,134 @@
+"""Partial rollouts on the echo engine: resume across weight updates and dead workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.errors import ResumeExhausted, WeightUpdateError
+from rollfleet.transport.messages import SamplingParams
+
+from .test_fleet_echo import expected_tokens, wait_for
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def fleet(num_workers=2, tokens_per_s=200, **kw):
+    return Supervisor(FleetConfig(engine="echo", num_workers=num_workers,
+                                  engine_options={"tokens_per_s": tokens_per_s}, **kw))
+
+
+def offset(value):
+    return [("offset", torch.tensor([value]))]
+
+
+async def test_weight_update_mid_stream_resumes_with_exact_tokens_and_versions():
+    async with fleet() as sup:
+        client = sup.client()
+        await client.update_weights(offset(0), version=0)  # warm the weights path
+        params = SamplingParams(max_tokens=60)
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], params)) for i in range(6)]
+        await asyncio.sleep(0.1)
+        report = await client.update_weights(offset(0), version=1)
+        assert report.ok
+        await asyncio.sleep(0.05)
+        await client.update_weights(offset(0), version=2)
+        for i, t in enumerate(tasks):
+            r = await t
+            assert r.token_ids == expected_tokens([i + 1], 60)
+            assert r.finish_reason == "length" and len(r.token_ids) == 60
+            assert r.num_preemptions == 2 and r.weight_versions == [0, 1, 2]
+            assert (r.min_version, r.max_version) == (0, 2)
+        assert params.max_tokens == 60 and params.stop_token_ids == []
+        assert len(sup.table) == 0
+
+
+async def test_new_weights_apply_to_the_resumed_part_only():
+    async with fleet(1) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=50)))
+        await asyncio.sleep(0.08)
+        await client.update_weights(offset(7), version=1)
+        r = await task
+        # The tokens before the update follow the old weights; the rest continue from them
+        # under the new ones (offset 7).
+        first = next(k for k in range(1, 51) if r.token_ids[:k] != expected_tokens([3], k)) - 1
+        assert 0 < first < 50
+        rest = expected_tokens([3] + r.token_ids[:first], 50 - first, offset=7)
+        assert r.token_ids[first:] == rest and r.weight_versions == [0, 1] and r.num_preemptions == 1
+
+
+async def test_hard_abort_requests_return_their_partial_output_on_update():
+    async with fleet(1) as sup:
+        client = sup.client()
+        hard = asyncio.create_task(client.generate("hard", [2], SamplingParams(max_tokens=80), resume=False))
+        soft = asyncio.create_task(client.generate("soft", [2], SamplingParams(max_tokens=30)))
+        await asyncio.sleep(0.08)
+        await client.update_weights(offset(0), version=1)
+        h, s = await hard, await soft
+        assert h.finish_reason == "abort" and 0 < len(h.token_ids) < 80
+        assert h.token_ids == expected_tokens([2], len(h.token_ids)) and h.num_preemptions == 0
+        assert s.finish_reason == "length" and s.token_ids == expected_tokens([2], 30) and s.num_preemptions == 1
+
+
+async def test_worker_sigkill_resumes_its_requests_on_a_healthy_worker():
+    async with fleet(2, deterministic_routing=True) as sup:
+        client = sup.client()
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=60)))
+                 for i in range(6)]
+        await asyncio.sleep(0.1)
+        victim = sup.slots[0]
+        moved = {e.request_id for e in sup.table.on_worker(victim.worker_id)}
+        os.kill(victim.pid, signal.SIGKILL)
+        for i, t in enumerate(tasks):
+            r = await t
+            assert r.token_ids == expected_tokens([i + 1], 60)
+            assert r.num_preemptions == (1 if f"r{i}" in moved else 0)
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10.0)
+
+
+async def test_resume_attempts_are_bounded():
+    async with fleet(1, tokens_per_s=100, max_resume_attempts=1) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [1], SamplingParams(max_tokens=200)))
+        await asyncio.sleep(0.05)
+        await client.update_weights(offset(0), version=1)
+        await asyncio.sleep(0.05)
+        await client.update_weights(offset(0), version=2)
+        with pytest.raises(ResumeExhausted):
+            await task
+
+
+async def test_restarted_worker_is_brought_to_the_current_version_before_serving():
+    async with fleet(2, tokens_per_s=0, deterministic_routing=True) as sup:
+        client = sup.client()
+        await client.update_weights(offset(5), version=3)
+        victim = sup.slots[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 15.0)
+        assert sup.slots[0].weight_version == 3
+        # Both workers now answer with the offset-5 weights.
+        for i in range(6):
+            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=4))
+            assert r.token_ids == expected_tokens([4], 4, offset=5) and r.weight_versions == [3]
+        workers = (await sup.stats())["workers"]
+        assert [w["weight_version"] for w in workers] == [3, 3]
+
+
+async def test_failed_update_names_the_worker_and_generation_goes_on():
+    async with fleet(2) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=40)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(WeightUpdateError) as info:
+            await client.update_weights(offset(0) + [("fail", torch.zeros(1))], version=1)
+        assert "w" in str(info.value) and "fail" in str(info.value)
+        r = await task
+        assert r.token_ids == expected_tokens([6], 40)
+        assert sup.weight_version == 0
+        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [0, 0]
