@@ -6,6 +6,7 @@ from .inflight import Entry, InflightTable, State
 from .result import GenerationResult, StreamChunk
 from .router import Router
 from .supervisor import Supervisor
+from .sync_client import SyncClient
 
 __all__ = [
     "Supervisor",
@@ -13,6 +14,7 @@ __all__ = [
     "RestartPolicy",
     "LLMClient",
     "RemoteClient",
+    "SyncClient",
     "GenerationResult",
     "StreamChunk",
     "Router",

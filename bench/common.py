@@ -112,6 +112,8 @@ def machine_info() -> dict[str, Any]:
         "machine_gpu": _gpu(),
         "machine_os": platform.platform(terse=True),
         "machine_python": platform.python_version(),
+        # Other work on the machine shows up as latency tails; record how busy it was.
+        "machine_load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0,
     }
 
 

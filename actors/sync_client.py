@@ -1,0 +1,159 @@
+"""A blocking client for synchronous training loops.
+
+The fleet's event loop runs in a background thread (uvloop when installed); every method
+submits a coroutine to it and waits. Safe to use from a torchrun rank's main thread:
+
+    with SyncClient(FleetConfig(engine="torch", num_workers=1)) as fleet:
+        results = fleet.generate_batch([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32))
+        fleet.update_weights(model.named_parameters(), version=step)
+
+The fleet is shut down at interpreter exit if the caller forgot to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import FleetClosed
+from ..transport.messages import SamplingParams
+from .config import FleetConfig
+from .result import GenerationResult
+from .supervisor import Supervisor
+
+__all__ = ["SyncClient"]
+
+_ids = itertools.count()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class SyncClient:
+    def __init__(self, config: FleetConfig | None = None, *, start_timeout_s: float | None = None, **overrides: Any):
+        """Start the fleet and return once every worker is ready. Raises WorkerStartError."""
+        self.supervisor = Supervisor(config, **overrides)
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self._prefix = f"sync{next(_ids)}-"
+        self._counter = itertools.count()
+        try:
+            self._call(self.supervisor.start(), start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.client = self._call(self._make_client())
+        ref = weakref.ref(self)
+        self._atexit = lambda: (lambda s: s.shutdown() if s is not None else None)(ref())
+        atexit.register(self._atexit)
+
+    async def _make_client(self) -> Any:
+        return self.supervisor.client()
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            coro.close()
+            raise FleetClosed("SyncClient is shut down")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            from ..errors import RequestTimeout
+
+            raise RequestTimeout(f"no answer within {timeout}s") from None
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- requests
+    def generate(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams | None = None,
+                 **kwargs: Any) -> GenerationResult:
+        """One request; raises like LLMClient.generate."""
+        return self._call(self.client.generate(request_id, prompt_ids, sampling_params, **kwargs))
+
+    def generate_batch(self, prompts: Sequence[list[int]], sampling_params: SamplingParams | None = None, *,
+                       request_ids: Sequence[str] | None = None, timeout: float | None = None,
+                       return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Generate for every prompt concurrently; results in prompt order.
+
+        With ``return_exceptions`` a failed request's slot holds its RolloutError instead of
+        raising the first one.
+        """
+        if request_ids is None:
+            request_ids = [f"{self._prefix}{next(self._counter)}" for _ in prompts]
+        if len(request_ids) != len(prompts):
+            raise ValueError("request_ids and prompts differ in length")
+
+        async def batch() -> list[Any]:
+            return await asyncio.gather(
+                *(self.client.generate(rid, p, sampling_params, timeout=timeout, **kwargs)
+                  for rid, p in zip(request_ids, prompts)),
+                return_exceptions=return_exceptions,
+            )
+
+        return self._call(batch())
+
+    def abort(self, request_id: str) -> bool:
+        return self._call(self.client.abort(request_id))
+
+    # ---------------------------------------------------------------- fleet
+    def update_weights(self, named_tensors: Any, version: int, **kwargs: Any) -> Any:
+        """Push weights to every worker (Supervisor.update_weights). Blocks until committed."""
+        return self._call(self.supervisor.update_weights(named_tensors, version, **kwargs))
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        return self._call(self.client.sleep(level))
+
+    def wake_up(self) -> dict[str, Any]:
+        return self._call(self.client.wake_up())
+
+    def clear_kv_cache(self) -> dict[str, Any]:
+        return self._call(self.client.clear_kv_cache())
+
+    def start_profile(self, trace_dir: str) -> dict[str, Any]:
+        return self._call(self.client.start_profile(trace_dir))
+
+    def stop_profile(self) -> dict[str, Any]:
+        return self._call(self.client.stop_profile())
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self.supervisor.stats())
+
+    @property
+    def frontend_address(self) -> str | None:
+        return self.supervisor.frontend_address
+
+    def shutdown(self) -> None:
+        """Stop the fleet and the loop thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._loop.is_running() and not self.supervisor.closed:
+                asyncio.run_coroutine_threadsafe(self.supervisor.shutdown(), self._loop).result(60)
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+            atexit_fn = getattr(self, "_atexit", None)
+            if atexit_fn is not None:
+                atexit.unregister(atexit_fn)
