@@ -1,0 +1,162 @@
+"""``rollfleet serve``: run a fleet and serve its client socket until SIGINT or SIGTERM.
+
+Clients in any language connect a ZeroMQ DEALER socket to the printed address and speak
+the protocol of PROTOCOL.md. A signal shuts the fleet down cleanly (workers stopped, the
+private directory removed) and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any
+
+__all__ = ["add_arguments", "serve", "engine_options"]
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("echo", "torch", "vllm", "sglang")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``rollfleet serve`` to ``parser``."""
+    parser.description = (
+        "Start a fleet of engine workers and serve its client-facing ZeroMQ ROUTER socket "
+        "(protocol: PROTOCOL.md) until SIGINT or SIGTERM, then shut down cleanly and exit 0."
+    )
+    parser.add_argument("--engine", default="torch", choices=ENGINES,
+                        help="Engine of every worker (default torch, which runs on CPU). echo generates "
+                             "deterministic tokens without a model, for protocol and client tests.")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="Local model directory for torch, vllm and sglang. Default: the built-in tiny "
+                             "random Llama (torch builds it in memory; for vllm and sglang it is written to "
+                             "a temporary directory, removed on exit). Not used by echo.")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="Number of engine worker processes (default 1).")
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="Comma-separated device of each worker, e.g. cuda:0,cuda:1 (one per worker). "
+                             "Default: cpu for every worker.")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:5555", metavar="ADDR",
+                        help="Address of the client socket (default tcp://127.0.0.1:5555, loopback only). "
+                             "Port 0 picks a free port; the bound address is printed. Connections are not "
+                             "authenticated: bind to a non-loopback interface only on a trusted network.")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="Option passed to the engine adapter; repeatable. VALUE is decoded as JSON "
+                             "(8, 0.5, true, \"text\", [1,2]); a VALUE that is not JSON is taken as a string. "
+                             "Example: --engine-option max_model_len=1024.")
+    parser.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
+                        help="echo only: tokens per second per request (default: as fast as possible).")
+    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                        help="Once the fleet is ready, write the bound client address to PATH (removed on "
+                             "exit). The address is also printed as 'rollfleet serving on ADDR'.")
+    parser.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="How long each worker may take to start its engine (default 120).")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the command line asks for; raises ValueError on bad input."""
+    options: dict[str, Any] = {}
+    for item in args.engine_option:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    if args.tokens_per_s is not None:
+        if args.engine != "echo":
+            raise ValueError("--tokens-per-s applies to the echo engine only")
+        if args.tokens_per_s < 0:
+            raise ValueError("--tokens-per-s must be >= 0")
+        options["tokens_per_s"] = args.tokens_per_s
+    if args.model is not None:
+        if args.engine == "echo":
+            raise ValueError("the echo engine takes no --model")
+        options["model"] = args.model
+    return options
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the fleet until SIGINT/SIGTERM. Returns the exit code: 0 after a signal,
+    1 if the fleet failed to start, 2 on bad options."""
+    from .actors import FleetConfig, Supervisor
+
+    model_dir: str | None = None
+    try:
+        options = engine_options(args)
+        devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+        if args.engine in ("vllm", "sglang") and "model" not in options:
+            from .engines.tiny import build_tiny_llama
+
+            model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
+            options["model"] = build_tiny_llama(model_dir)
+        config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
+                             devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout)
+    except ValueError as exc:
+        _remove_dir(model_dir)
+        print(f"rollfleet serve: {exc}", file=sys.stderr)
+        return 2
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    fleet = Supervisor(config)
+    wrote_ready = False
+    try:
+        # Start while watching for a signal, so a signal during a slow engine start still
+        # shuts down cleanly (start() tears the half-built fleet down when cancelled).
+        starting = asyncio.create_task(fleet.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 0
+        stopping.cancel()
+        try:
+            starting.result()
+        except Exception as exc:  # WorkerStartError, a bad or busy --bind address (zmq), ...
+            print(f"rollfleet serve: the fleet failed to start: {exc}", file=sys.stderr)
+            return 1
+        address = fleet.frontend_address or ""
+        if args.ready_file:
+            _write_atomic(args.ready_file, address + "\n")
+            wrote_ready = True
+        print(f"rollfleet serving on {address}", flush=True)
+        logger.info("serving %d %s workers on %s", args.workers, args.engine, address)
+        await stop.wait()
+        logger.info("signal received; shutting down")
+        return 0
+    finally:
+        await fleet.shutdown()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        if wrote_ready:
+            try:
+                os.unlink(args.ready_file)
+            except FileNotFoundError:
+                pass
+        _remove_dir(model_dir)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    # A reader polling for the file never sees it half written.
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _remove_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
