@@ -26,6 +26,8 @@ demo: $(STAMP)
 	$(VENV)/bin/rollfleet demo
 
 test: $(STAMP)
+	# Idempotent and fast when done: the Node.js and C protocol clients the conformance tests drive.
+	bash tests/clients/install.sh
 	$(PY) -m pytest -q -ra
 
 clean:

@@ -286,7 +286,9 @@ class EngineWorker:
                 if self._receiver is None:
                     from ..weights.receiver import WeightReceiver
 
-                    self._receiver = WeightReceiver(self.engine)
+                    # The worker sees only its own device (CUDA_VISIBLE_DEVICES), as index 0.
+                    device = "cuda" if str(self.config.get("device", "cpu")).startswith("cuda") else "cpu"
+                    self._receiver = WeightReceiver(self.engine, device=device)
                 data = await self._receiver.handle(msg)
             except Unsupported as exc:
                 self._send(Error(id=msg.id, code=exc.code, message=str(exc)))

@@ -137,9 +137,7 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
                 await sender.update(iter(weights), rep + 1, [link])
                 best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
             out[bucket] = best
-        await link.call(Shutdown(id="bye"), 10) if False else await sock.send_multipart(
-            [link.worker_id.encode(), encode(Shutdown(id="bye"))]
-        )
+        await sock.send_multipart([link.worker_id.encode(), encode(Shutdown(id="bye"))])  # (identity, header)
         reader.cancel()
         proc.wait(60)
         return out

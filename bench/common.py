@@ -31,6 +31,7 @@ __all__ = [
     "summarize",
     "print_table",
     "write_json",
+    "plot_cdfs_and_bars",
 ]
 
 
@@ -196,3 +197,41 @@ def write_json(path: str, metrics: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(metrics, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def plot_cdfs_and_bars(path: str, series: dict[str, Sequence[float]], bars: dict[str, float], *,
+                       xlabel: str, left_title: str, right_title: str, ylabel: str = "requests / s") -> bool:
+    """A PNG of two panels: the distribution (CDF, log x) of each named sample on the left,
+    one bar per named value on the right. Returns False, writing nothing, when matplotlib
+    is not installed (it is an optional extra: ``rollfleet[bench]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return False
+    matplotlib.use("Agg")  # no display: benches run on servers and in CI
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, values in series.items():
+        ordered = sorted(values)
+        left.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name)
+    left.set_xscale("log")
+    left.set_xlabel(xlabel)
+    left.set_ylabel("fraction of samples")
+    left.set_title(left_title)
+    left.grid(True, which="both", alpha=0.3)
+    left.legend()
+    names = list(bars)
+    right.bar(names, [bars[n] for n in names], color="tab:blue")
+    for i, name in enumerate(names):
+        right.text(i, bars[name], f"{bars[name]:,.0f}", ha="center", va="bottom")
+    right.set_ylabel(ylabel)
+    right.set_title(right_title)
+    right.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -58,10 +58,11 @@ class Seq:
 
 class Runner:
     def __init__(self, model: Any, *, device: torch.device, max_batch_size: int, seed: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 num_threads: int | None, loop: asyncio.AbstractEventLoop) -> None:
         self.model = model
         self.device = device
         self.max_batch_size = max_batch_size
+        self.num_threads = num_threads
         self.loop = loop
         config = model.config
         self.vocab_size = int(config.vocab_size)
@@ -124,6 +125,9 @@ class Runner:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        if self.num_threads is not None:
+            # Again here: with OpenMP the setting can be per calling thread.
+            torch.set_num_threads(self.num_threads)
         try:
             with torch.inference_mode():
                 while self._turn():
@@ -305,7 +309,8 @@ class Runner:
             if target is None:
                 unknown.append(name)
             elif tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
-                bad.append(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, want {tuple(target.shape)} {target.dtype}")
+                got, want = (tuple(tensor.shape), tensor.dtype), (tuple(target.shape), target.dtype)
+                bad.append(f"{name}: got {got[0]} {got[1]}, want {want[0]} {want[1]}")
             else:
                 target.data.copy_(tensor)
         self.num_weight_loads += 1

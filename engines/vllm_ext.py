@@ -93,12 +93,27 @@ class RollfleetWorkerExtension:
         stages a copy (the owner may reuse the segment for the next bucket) until
         ``rollfleet_commit``.
         """
-        mm = map_segment(str(descriptor["name"]))
+        mm = map_segment(str(descriptor.get("shm_name") or descriptor["name"]))
         views = weights = None
         try:
-            views = list(tensor_views(mm, descriptor["tensors"]))
+            entries = descriptor["tensors"]
+            whole = [e for e in entries if not (isinstance(e, dict) and "part_offset" in e)]
+            parts = [e for e in entries if isinstance(e, dict) and "part_offset" in e]
+            views = list(tensor_views(mm, whole))
             count = len(views)
             staged = self._rollfleet_staged()
+            if parts:
+                # Tensors split across buckets are joined here (into fresh memory) as parts arrive.
+                from rollfleet.weights.bucket import Assembler
+
+                assembler = getattr(self, "_rollfleet_assembler", None)
+                if assembler is None:
+                    assembler = self._rollfleet_assembler = Assembler()
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+                done = assembler.add(buf, parts)
+                del buf
+                staged.extend(done)
+                count += len(done)
             if not commit:
                 staged.extend((name, t.clone()) for name, t in views)
                 return count
@@ -128,6 +143,7 @@ class RollfleetWorkerExtension:
         staged = self._rollfleet_staged()
         count = len(staged)
         staged.clear()
+        self._rollfleet_assembler = None
         return count
 
     def rollfleet_num_staged(self) -> int:

@@ -7,6 +7,10 @@ import os
 import psutil
 import pytest
 
+# Imported early on purpose: importing hypothesis lazily, at the end of a session, has
+# crashed this CPython (3.11.7) with "AST constructor recursion depth mismatch".
+import hypothesis  # noqa: F401
+
 try:
     import torch
 

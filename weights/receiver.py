@@ -69,6 +69,10 @@ class WeightReceiver:
         self.version = 0
         self.watch_interval_s = watch_interval_s
         self._update: _Update | None = None
+        # Engines that read buckets in another process and can hold them until the end (vLLM).
+        self._can_stage = callable(getattr(engine, "commit_weights", None)) and callable(
+            getattr(engine, "discard_weights", None)
+        )
         # Buckets of one update must be handled in order (collectives pair up by order);
         # asyncio.Lock wakes waiters first-come first-served.
         self._lock = asyncio.Lock()
@@ -82,6 +86,16 @@ class WeightReceiver:
                 if isinstance(msg, WeightsBucket):
                     return await self._bucket(msg)
                 if isinstance(msg, WeightsEnd):
+                    staged = self._can_stage and self._update is not None and self._update.descriptor
+                    if staged and not msg.commit:
+                        await self.engine.discard_weights()
+                    if staged and msg.commit:
+                        self._current(msg.id)  # refuse an end that does not match the update
+                        try:
+                            await self.engine.commit_weights()
+                        except Exception as exc:
+                            self._drop(sender_gone=False)
+                            raise EngineFailed(f"engine failed to apply the update: {type(exc).__name__}: {exc}") from exc
                     return self._end(msg)
             except RolloutError:
                 raise
@@ -168,7 +182,12 @@ class WeightReceiver:
         try:
             if up.descriptor:
                 desc = {"shm_name": up.names[msg.buffer], "size": up.sizes[msg.buffer], "tensors": entries}
-                result = self.engine.load_weights_from_descriptor(desc)
+                # Staged until WeightsEnd when the engine can (vLLM): a bucket may hold only part
+                # of a fused layer, and applying it alone would corrupt the model.
+                if self._can_stage:
+                    result = self.engine.load_weights_from_descriptor(desc, commit=False)
+                else:
+                    result = self.engine.load_weights_from_descriptor(desc)
                 if inspect.isawaitable(result):
                     await result
             else:

@@ -83,6 +83,11 @@ class _LinkFailed(Exception):
         self.cause = cause
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: str) -> Any:
     if kind == "shm":
         return shm.ShmChannel(links, config, update_id)
@@ -177,7 +182,9 @@ class WeightSender:
             await self._end(uid, version, links, report, started)
         except BaseException as exc:
             for task in inflight:
-                if task is not None and not task.done():
+                if task is not None:
+                    # Its failure is reported through exc already (or is a consequence of it).
+                    task.add_done_callback(_retrieve)
                     task.cancel()
             for ch in channels:
                 ch.close()

@@ -2,7 +2,7 @@
 # Installs, from nothing and idempotently, what the other-language protocol clients need:
 #   - the Debian packages libzmq3-dev and libmsgpack-dev (C client), only if missing;
 #   - the npm packages of tests/clients/node (zeromq, @msgpack/msgpack), only if missing;
-#   - the C client binary tests/clients/c/rfclient.
+#   - the C client binary tests/clients/c/build/rfclient.
 # Needs node/npm, a C compiler, make and pkg-config; apt-get runs as root (or via sudo).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -32,7 +32,8 @@ def hf_greedy(model, prompt: list[int], n: int, ignore_eos: bool = True) -> list
     """transformers' own generate(do_sample=False); without EOS stopping when ignore_eos."""
     extra = {"eos_token_id": None} if ignore_eos else {}
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
     tokens = out[0, len(prompt):].tolist()
     if ignore_eos:
@@ -154,7 +155,8 @@ async def test_stop_tokens_and_max_tokens_end_the_stream(engine):
     assert (tokens, reason) == (full[: stop_at + 1], "stop")
     tokens, _, reason, _ = await collect(engine, "stop-len", prompt, GREEDY.replace(max_tokens=5))
     assert (tokens, reason) == (full[:5], "length")
-    tokens, logprobs, reason, _ = await collect(engine, "stop-zero", prompt, GREEDY.replace(max_tokens=0, logprobs=True))
+    zero = GREEDY.replace(max_tokens=0, logprobs=True)
+    tokens, logprobs, reason, _ = await collect(engine, "stop-zero", prompt, zero)
     assert (tokens, logprobs, reason) == ([], [], "length")
 
 

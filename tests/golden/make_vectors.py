@@ -144,6 +144,22 @@ def from_json(value: Any) -> Any:
     return value
 
 
+def difference(got: Any, want: Any, path: str = "$") -> str | None:
+    """Where two decoded values differ, comparing value kinds (int, float and bool apart)
+    and map key order too; None when they are the same."""
+    if type(got) is not type(want):
+        return f"{path}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
+    if isinstance(want, dict):
+        if list(got) != list(want):
+            return f"{path}: keys {list(got)} != {list(want)}"
+        return next((d for k in want if (d := difference(got[k], want[k], f"{path}.{k}"))), None)
+    if isinstance(want, list):
+        if len(got) != len(want):
+            return f"{path}: length {len(got)} != {len(want)}"
+        return next((d for i, (g, w) in enumerate(zip(got, want)) if (d := difference(g, w, f"{path}[{i}]"))), None)
+    return None if got == want else f"{path}: {got!r} != {want!r}"
+
+
 def vector_files(directory: pathlib.Path = HERE) -> dict[str, tuple[pathlib.Path, pathlib.Path]]:
     """Message type -> (msgpack file, json file) for every vector on disk."""
     return {p.stem: (p, p.with_suffix(".json")) for p in sorted(directory.glob("*.msgpack"))}

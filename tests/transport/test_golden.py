@@ -34,19 +34,10 @@ FILES = make_vectors.vector_files(GOLDEN)
 TYPES = [t.value for t in MsgType]
 
 
-def assert_same(got: Any, want: Any, path: str = "$") -> None:
+def assert_same(got: Any, want: Any) -> None:
     """Equality that also compares value kinds and map key order."""
-    assert type(got) is type(want), f"{path}: {type(got).__name__} {got!r} != {type(want).__name__} {want!r}"
-    if isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{path}.{key}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
+    diff = make_vectors.difference(got, want)
+    assert diff is None, diff
 
 
 def _read(name: str) -> tuple[bytes, Any]:

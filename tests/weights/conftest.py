@@ -5,6 +5,12 @@ import sys
 
 import pytest
 
+# Import hypothesis's modules now, before tests start threads: its pytest plugin otherwise
+# imports them at the very end, where CPython 3.11.7's parser can fail with "AST constructor
+# recursion depth mismatch" (a CPython bug fixed in 3.11.8).
+import hypothesis  # noqa: F401
+import hypothesis.internal.observability  # noqa: F401
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)

@@ -1,0 +1,106 @@
+"""The RPC benchmark runs end to end and writes the metrics it promises; its helpers behave."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def load_common():
+    # bench/ is not a package: load its helper module by path, under a name that cannot
+    # clash with anything else called `common`.
+    spec = importlib.util.spec_from_file_location("rollfleet_bench_common", os.path.join(BENCH, "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = load_common()
+
+REQUIRED = [
+    "raw_rtt_p50_us", "raw_rtt_p99_us", "raw_pipelined_rps",
+    "fleet_rtt_p50_us", "fleet_rtt_p99_us", "fleet_rtt_p50_us_4w", "fleet_rtt_p99_us_4w",
+    "fleet_rps_1w", "fleet_rps_4w", "fleet_rps_best", "remote_rtt_p50_us",
+    "fleet_vs_raw_p50", "fleet_vs_raw_rps", "machine_cores", "machine_memory_gb",
+]
+
+
+@pytest.mark.slow
+def test_bench_rpc_quick_writes_flat_json_with_positive_metrics_and_a_plot(tmp_path):
+    out = tmp_path / "rpc.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_rpc.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fleet LLMClient" in proc.stdout and "raw zmq+msgpack" in proc.stdout
+    metrics = json.loads(out.read_text())
+    for key in REQUIRED:
+        value = metrics.get(key)
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
+        assert math.isfinite(value) and value > 0, (key, value)
+    assert all(not isinstance(v, (dict, list)) for v in metrics.values())
+    for key in ("goal_p50_met", "goal_rps_met", "ray_measured", "quick"):
+        assert isinstance(metrics[key], bool), key
+    if metrics["ray_measured"]:
+        assert metrics["ray_sync_rps"] > 0 and metrics["fleet_vs_ray_rps"] > 0
+        assert isinstance(metrics["goal_ray_met"], bool)
+    else:
+        assert "ray_sync_rps" not in metrics
+    # The fleet cannot beat two processes doing nothing but the same exchange.
+    assert metrics["fleet_rtt_p50_us"] > metrics["raw_rtt_p50_us"]
+    png = tmp_path / "rpc.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_interpolates_between_ranks_like_numpy():
+    values = [10.0, 1.0, 4.0, 7.0]  # unsorted on purpose
+    assert common.percentile(values, 0) == 1.0
+    assert common.percentile(values, 100) == 10.0
+    assert common.percentile(values, 50) == 5.5
+    assert common.percentile(values, 25) == pytest.approx(3.25)
+    assert common.percentile([3.0], 99) == 3.0
+    with pytest.raises(ValueError):
+        common.percentile([], 50)
+    with pytest.raises(ValueError):
+        common.percentile([1.0], 101)
+
+
+def test_write_json_refuses_nested_or_non_finite_values(tmp_path):
+    path = tmp_path / "sub" / "m.json"
+    common.write_json(str(path), {"b_rps": 2.5, "a_met": True, "cpu": "x", "n": 3})
+    assert json.loads(path.read_text()) == {"a_met": True, "b_rps": 2.5, "cpu": "x", "n": 3}
+    with pytest.raises(ValueError):
+        common.write_json(str(path), {"goals": {"p50": True}})
+    with pytest.raises(ValueError):
+        common.write_json(str(path), {"rps": float("nan")})
+
+
+def test_png_path_follows_json_unless_given():
+    parser = common.bench_parser("x")
+    assert common.png_path(parser.parse_args(["--json", "out/rpc.json"])) == "out/rpc.png"
+    assert common.png_path(parser.parse_args(["--json", "out/rpc"])) == "out/rpc.png"
+    assert common.png_path(parser.parse_args(["--json", "a.json", "--png", "b.png"])) == "b.png"
+    assert common.png_path(parser.parse_args(["--quick"])) is None
+
+
+def test_machine_info_is_flat_and_names_cores_and_memory():
+    info = common.machine_info()
+    assert info["machine_cores"] >= 1 and info["machine_memory_gb"] > 0
+    assert isinstance(info["machine_cpu"], str) and info["machine_cpu"]
+    assert all(isinstance(v, (int, float, str)) for v in info.values())
+
+
+def test_print_table_aligns_columns(capsys):
+    common.print_table(["path", "p50 us"], [("raw", 42.1), ("fleet", 1234.5), ("ray", None)], title="t")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "t"
+    assert len({len(line) for line in lines[1:]}) == 1  # every row as wide as the header
+    assert lines[-1].endswith("-") and "1,234" in lines[-2]
