@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine", default="torch", choices=["torch", "vllm", "echo"],
                       help="Engine of the workers (default torch, on CPU; vllm needs the vllm extra).")
     demo.add_argument("--workers", type=int, default=2, help="Number of worker processes (default 2).")
-    demo.add_argument("--requests", type=int, default=32, help="Number of rollouts (default 32).")
-    demo.add_argument("--max-tokens", type=int, default=48, help="Tokens per rollout (default 48).")
+    demo.add_argument("--requests", type=int, default=64, help="Number of rollouts (default 64).")
+    demo.add_argument("--max-tokens", type=int, default=96, help="Tokens per rollout (default 96).")
     demo.add_argument("--model", default=None, help="Local model directory (default: a tiny built-in random Llama).")
     demo.add_argument("--no-update", action="store_true", help="Skip the weight update in the middle of the batch.")
     demo.set_defaults(func=_cmd_demo)

@@ -42,6 +42,17 @@ def summarize(results: list[GenerationResult], errors: int, elapsed: float, stat
     ]
 
 
+def _same_weights(engine: str, seed: int) -> list[tuple[str, Any]]:
+    """The weights the workers already hold, as a trainer would push them after a step."""
+    import torch
+
+    if engine == "echo":
+        return [("offset", torch.tensor([0]))]
+    from .engines.tiny import tiny_llama_model
+
+    return [(name, p.detach()) for name, p in tiny_llama_model(seed).named_parameters()]
+
+
 def _print_table(rows: list[tuple[str, str]], out: Any = sys.stdout) -> None:
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 20), file=out)
@@ -50,7 +61,7 @@ def _print_table(rows: list[tuple[str, str]], out: Any = sys.stdout) -> None:
     print("-" * (width + 20), file=out)
 
 
-async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests: int = 32, max_tokens: int = 48,
+async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests: int = 64, max_tokens: int = 96,
                    model: str | None = None, update_weights: bool = True, seed: int = 0) -> dict[str, Any]:
     """Run the demo and return its summary as a dict (also printed)."""
     from tqdm import tqdm
@@ -87,15 +98,24 @@ async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests:
             await asyncio.sleep(0.05)
             await client.abort(to_abort)
 
+        new_weights = _same_weights(engine, seed) if update_weights else []
+
         async def update_midway() -> None:
-            # Once a third of the batch is done, push weights (same values, version 1):
-            # requests in flight are interrupted and resume with their partial output.
-            while len(results) < num_requests // 3:
-                await asyncio.sleep(0.01)
+            # Once the running requests are a third of the way through, push weights (same
+            # values, version 1): they are interrupted and resume with their partial output.
+            while True:
+                running = [e for e in fleet.table if e.inner_id is not None]
+                if not running and len(results) == num_requests:
+                    break
+                if running and sum(len(e.token_ids) for e in running) >= len(running) * max_tokens // 3:
+                    break
+                await asyncio.sleep(0.002)
             try:
-                await client.update_weights(fleet.weights_snapshot(), version=1)
-            except (AttributeError, NotImplementedError, RolloutError) as exc:
-                print(f"weight update skipped: {exc}", flush=True)
+                report = await client.update_weights(new_weights, version=1)
+                print(f"pushed weights version 1 ({report.bytes} bytes, {report.seconds * 1e3:.0f} ms) "
+                      "while requests were running", flush=True)
+            except RolloutError as exc:
+                print(f"weight update failed: {exc}", flush=True)
 
         side = [asyncio.create_task(abort_one())]
         if update_weights:
