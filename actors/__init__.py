@@ -1,7 +1,8 @@
 """The runtime: Supervisor, EngineWorker, Router, InflightTable and clients."""
 
 from .client import LLMClient, RemoteClient
-from .config import FleetConfig, RestartPolicy
+from .config import MODES, FleetConfig, RestartPolicy
+from .group import FleetGroup
 from .inflight import Entry, InflightTable, State
 from .result import GenerationResult, StreamChunk
 from .router import Router
@@ -11,6 +12,8 @@ from .sync_client import SyncClient
 __all__ = [
     "Supervisor",
     "FleetConfig",
+    "FleetGroup",
+    "MODES",
     "RestartPolicy",
     "LLMClient",
     "RemoteClient",

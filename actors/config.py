@@ -7,7 +7,13 @@ from typing import Any
 
 from ..engines import ENGINE_NAMES
 
-__all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS"]
+__all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS", "MODES"]
+
+# hybrid: engines share the trainer's devices; they sleep while it trains; weights over
+#         cuda_ipc (or shm on CPU / NPUs without IPC).
+# standalone: engines on their own devices or hosts; weights over the collective transport.
+# colocated: no weight sync at all (a reward model, a judge, a frozen reference policy).
+MODES = ("hybrid", "standalone", "colocated")
 
 # Variables that select a device for a worker process, by accelerator kind.
 DEVICE_ENV_VARS = {
@@ -39,6 +45,8 @@ class RestartPolicy:
 class FleetConfig:
     engine: str = "torch"
     """Engine of every worker: echo, torch, vllm or sglang."""
+    mode: str = "hybrid"
+    """Deployment mode: hybrid, standalone or colocated (see MODES)."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     """Passed to the engine adapter (model path, dtype, ...)."""
     num_workers: int = 1
@@ -84,6 +92,8 @@ class FleetConfig:
     for big models and pass update_weights a callable that yields the tensors instead."""
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
         if self.num_workers < 1:
@@ -97,6 +107,13 @@ class FleetConfig:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
             raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
+
+    def weight_transport(self) -> str:
+        """The transport weight updates use unless a call overrides it."""
+        explicit = self.weights.get("transport")
+        if explicit:
+            return str(explicit)
+        return "collective" if self.mode == "standalone" else "auto"
 
     def device_of(self, index: int) -> str:
         return self.devices[index] if self.devices else "cpu"

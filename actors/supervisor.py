@@ -678,6 +678,12 @@ class Supervisor:
         self._check_open()
         return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes)
 
+    def training(self, level: int = 1) -> "_Training":
+        """Hybrid mode: ``async with fleet.training(): <train step>`` puts the engines to sleep
+        (freeing device memory for the trainer) and wakes them up afterwards, even on error.
+        Raises Unsupported when an engine cannot sleep."""
+        return _Training(self, level)
+
     async def stats(self, engines: bool = True) -> dict[str, Any]:
         """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker)."""
         workers = []
@@ -703,6 +709,8 @@ class Supervisor:
             "num_inflight": len(self.table),
             "num_pending": len(self._pending),
             "weight_version": self.weight_version,
+            "mode": self.config.mode,
+            "engine": self.config.engine,
             "host": socket.gethostname(),
             **{f"num_{k}": v for k, v in self.counters.items()},
         }
@@ -761,3 +769,16 @@ class Supervisor:
             self._reply_client(identity, Error(id=msg.id, code="internal", message=repr(exc)))
             return
         self._reply_client(identity, Reply(id=msg.id, data=data))
+
+
+class _Training:
+    def __init__(self, supervisor: Supervisor, level: int):
+        self.supervisor = supervisor
+        self.level = level
+
+    async def __aenter__(self) -> None:
+        await self.supervisor.control("sleep", {"level": self.level})
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self.supervisor.closed:
+            await self.supervisor.control("wake_up")

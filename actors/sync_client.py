@@ -137,6 +137,19 @@ class SyncClient:
     def stats(self) -> dict[str, Any]:
         return self._call(self.supervisor.stats())
 
+    def training(self, level: int = 1) -> Any:
+        """``with fleet.training(): <train step>``: engines sleep during the step (hybrid mode)."""
+        sync = self
+
+        class _Ctx:
+            def __enter__(self) -> None:
+                sync.sleep(level)
+
+            def __exit__(self, *exc: Any) -> None:
+                sync.wake_up()
+
+        return _Ctx()
+
     @property
     def frontend_address(self) -> str | None:
         return self.supervisor.frontend_address

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FleetClosed, WeightUpdateError
+from ..errors import FleetClosed, Unsupported, WeightUpdateError
 from .handle import WorkerHandle, WorkerState
 from .inflight import State
 
@@ -52,6 +52,7 @@ class WeightSync:
         from ..weights import WeightSender, WeightSyncConfig
 
         cfg = dict(self.sup.config.weights or {})
+        cfg["transport"] = self.sup.config.weight_transport()
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return WeightSender(WeightSyncConfig(**cfg))
 
@@ -83,6 +84,8 @@ class WeightSync:
         sup = self.sup
         if sup.closed:
             raise FleetClosed("the fleet is not running")
+        if sup.config.mode == "colocated":
+            raise Unsupported("a colocated fleet takes no weight updates (mode='colocated')")
         async with self._lock:
             if callable(named_tensors):
                 self._source = named_tensors

@@ -214,7 +214,7 @@ class VllmEngine(Engine):
         llm, caps = self.llm, {"logprobs", "load_weights"}
         if hasattr(llm, "pause_generation") and hasattr(llm, "resume_generation"):
             caps.add("pause")
-        if hasattr(llm, "sleep") and hasattr(llm, "wake_up"):
+        if hasattr(llm, "sleep") and hasattr(llm, "wake_up") and _sleep_mode_available():
             caps.add("sleep")
         if hasattr(llm, "reset_prefix_cache"):
             caps.add("clear_kv_cache")
@@ -319,11 +319,18 @@ class VllmEngine(Engine):
         self._paused = False
 
     async def sleep(self, level: int = 1) -> None:
-        # On CPU vLLM logs that sleep is unsupported and does nothing.
-        await self._check().sleep(level)
+        llm = self._check()
+        # Where vLLM has no sleep mode (CPU) its sleep frees nothing, only logs a warning,
+        # and aborts the running requests: refuse it rather than pretend.
+        if not _sleep_mode_available():
+            raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
+        await llm.sleep(level)
 
     async def wake_up(self) -> None:
-        await self._check().wake_up()
+        llm = self._check()
+        if not _sleep_mode_available():
+            raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
+        await llm.wake_up()
 
     async def clear_kv_cache(self) -> None:
         llm = self._check()
@@ -434,6 +441,12 @@ class VllmEngine(Engine):
         if name is not None and name not in self._loras:
             raise ValueError(f"no LoRA adapter named {name!r} was loaded")
         self.active_lora = name
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def _walk(root: str) -> list[str]:

@@ -1,0 +1,54 @@
+"""Deployment modes: hybrid (sleep around training), standalone (collective weights),
+colocated (no weight sync), and a policy fleet beside a reward fleet in one group."""
+
+import pytest
+import torch
+
+from rollfleet.actors import FleetConfig, FleetGroup, Supervisor
+from rollfleet.errors import Unsupported
+from rollfleet.transport.messages import SamplingParams
+
+from .test_fleet_echo import expected_tokens
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+async def test_hybrid_training_context_sleeps_and_wakes_the_engines():
+    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
+        async with sup.training():
+            stats = await sup.stats()
+            assert all(w["engine_stats"]["sleeping"] for w in stats["workers"])
+        stats = await sup.stats()
+        assert not any(w["engine_stats"]["sleeping"] for w in stats["workers"])
+        report = await sup.update_weights([("offset", torch.tensor([1]))], version=1)
+        assert {w.transport for w in report.workers.values()} == {"shm"}
+
+
+async def test_standalone_fleet_moves_weights_over_the_collective():
+    async with Supervisor(FleetConfig(engine="echo", mode="standalone", num_workers=2)) as sup:
+        report = await sup.update_weights([("offset", torch.tensor([2]))], version=1)
+        assert {w.transport for w in report.workers.values()} == {"collective"}
+        r = await sup.client().generate("r", [3], SamplingParams(max_tokens=4))
+        assert r.token_ids == expected_tokens([3], 4, offset=2) and r.weight_versions == [1]
+
+
+async def test_colocated_policy_and_reward_fleets_in_one_group():
+    configs = {
+        "policy": FleetConfig(engine="echo", mode="hybrid", num_workers=1),
+        "reward": FleetConfig(engine="echo", mode="colocated", num_workers=1, frontend_addr=None),
+    }
+    async with FleetGroup(configs) as group:
+        await group["policy"].update_weights([("offset", torch.tensor([4]))], version=7)
+        with pytest.raises(Unsupported):
+            await group["reward"].update_weights([("offset", torch.tensor([4]))], version=7)
+        policy = await group["policy"].client().generate("p", [5], SamplingParams(max_tokens=3))
+        reward = await group["reward"].client().generate("p", [5], SamplingParams(max_tokens=3))
+        assert policy.weight_versions == [7] and reward.weight_versions == [0]
+        assert reward.token_ids == expected_tokens([5], 3)
+        stats = await group.stats()
+        assert stats["policy"]["mode"] == "hybrid" and stats["reward"]["mode"] == "colocated"
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError):
+        FleetConfig(mode="cluster")
