@@ -32,8 +32,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .actors.client import RemoteClient
 
+    keys = None
+    if args.keys_dir:
+        from .transport.auth import load_client_keys
+
+        keys = load_client_keys(args.keys_dir)
+
     async def go() -> dict[str, Any]:
-        async with RemoteClient(args.address, call_timeout_s=args.timeout) as client:
+        async with RemoteClient(args.address, call_timeout_s=args.timeout, curve_keys=keys) as client:
             return await client.stats()
 
     stats = _run(go())
@@ -46,6 +52,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print("  ".join(f"{str(w.get(c, ''))[:14]:>14}" for c in cols))
     print(f"in flight: {stats['num_inflight']}  completed: {stats['num_completed']}  "
           f"resumed: {stats['num_resumed']}  failed: {stats['num_failed']}  weight version: {stats['weight_version']}")
+    return 0
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from .transport.auth import make_keys
+
+    paths = make_keys(args.directory)
+    print(f"server keys: {paths['server_secret']} (keep private), {paths['server_public']} (give to clients)")
+    print(f"client keys: {paths['client_secret']} (for one client), authorized public keys in {paths['authorized']}/")
     return 0
 
 
@@ -74,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("address", help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555.")
     stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")
     stats.add_argument("--timeout", type=float, default=10.0, help="Seconds to wait for the answer (default 10).")
+    stats.add_argument("--keys-dir", default=None, metavar="DIR",
+                       help="CurveZMQ keys (from `rollfleet keys`) when the fleet requires them.")
     stats.set_defaults(func=_cmd_stats)
+
+    keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
+    keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/.")
+    keys.set_defaults(func=_cmd_keys)
 
     try:
         from .serve import add_arguments

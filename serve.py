@@ -45,8 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Default: cpu for every worker.")
     parser.add_argument("--bind", default="tcp://127.0.0.1:5555", metavar="ADDR",
                         help="Address of the client socket (default tcp://127.0.0.1:5555, loopback only). "
-                             "Port 0 picks a free port; the bound address is printed. Connections are not "
-                             "authenticated: bind to a non-loopback interface only on a trusted network.")
+                             "Port 0 picks a free port; the bound address is printed. A non-loopback "
+                             "address requires --keys-dir.")
+    parser.add_argument("--keys-dir", default=None, metavar="DIR",
+                        help="CurveZMQ keys made by `rollfleet keys DIR`: encrypts the client socket and "
+                             "admits only the public keys in DIR/authorized/. Required to bind a "
+                             "non-loopback address.")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="Option passed to the engine adapter; repeatable. VALUE is decoded as JSON "
                              "(8, 0.5, true, \"text\", [1,2]); a VALUE that is not JSON is taken as a string. "
@@ -99,7 +103,8 @@ async def serve(args: argparse.Namespace) -> int:
             model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
             options["model"] = build_tiny_llama(model_dir)
         config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
-                             devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout)
+                             devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout,
+                             curve_keys_dir=args.keys_dir)
     except ValueError as exc:
         _remove_dir(model_dir)
         print(f"rollfleet serve: {exc}", file=sys.stderr)

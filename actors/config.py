@@ -56,7 +56,11 @@ class FleetConfig:
     worker_addr: str | None = None
     """Address the worker socket binds; None: ipc:// in the private directory."""
     frontend_addr: str | None = "tcp://127.0.0.1:0"
-    """Client-facing ROUTER address; None disables it. Port 0 picks a free port."""
+    """Client-facing ROUTER address; None disables it. Port 0 picks a free port. Anything but
+    loopback requires ``curve_keys_dir``."""
+    curve_keys_dir: str | None = None
+    """Directory made by ``rollfleet keys``: turns on CurveZMQ encryption and authentication
+    on every tcp:// socket (required for non-loopback addresses)."""
     start_timeout_s: float = 120.0
     """How long a worker may take to start its engine and register."""
     heartbeat_interval_s: float = 1.0

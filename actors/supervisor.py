@@ -31,7 +31,7 @@ from ..errors import (
     WorkerLost,
     WorkerStartError,
 )
-from ..transport import codec
+from ..transport import auth, codec
 from ..transport.messages import (
     CONTROL_OPS,
     Abort,
@@ -99,6 +99,9 @@ class Supervisor:
         self._closing = False
         self._closed = False
         self._max_bytes = config.max_message_bytes
+        self._auth: auth.Authenticator | None = None
+        self._worker_keys: tuple[bytes, bytes] | None = None
+        self._server_keys: tuple[bytes, bytes] | None = None
         self._paused = False  # a weight update holds new dispatches
         self.weights = WeightSync(self, keep_last_weights=config.keep_last_weights)
 
@@ -127,11 +130,25 @@ class Supervisor:
             self._ctx = zmq.Context()
             opts = SocketOptions(max_message_bytes=cfg.max_message_bytes)
             self.worker_address = cfg.worker_addr or f"ipc://{self.private_dir}/workers.sock"
-            sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts)
+            for addr in (self.worker_address, cfg.frontend_addr):
+                if addr:
+                    auth.check_bind(addr, cfg.curve_keys_dir)
+            server_keys = None
+            if cfg.curve_keys_dir:
+                server_keys = auth.load_server_keys(cfg.curve_keys_dir)
+                self._auth = auth.Authenticator(self._ctx, cfg.curve_keys_dir)
+                # Spawned workers get a key pair of their own, valid for this fleet only.
+                self._worker_keys = zmq.curve_keypair()
+                self._auth.allow(self._worker_keys[0])
+            self._server_keys = server_keys
+            tcp_workers = self.worker_address.startswith("tcp://")
+            sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts,
+                               curve_server_keys=server_keys if tcp_workers else None)
             self._wsock = LoopSocket(sock, self._on_worker_frames)
             self.worker_address = sock.LAST_ENDPOINT.decode()
             if cfg.frontend_addr:
-                sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts)
+                sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts,
+                                   curve_server_keys=server_keys)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
             self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]
@@ -167,6 +184,11 @@ class Supervisor:
                 "max_message_bytes": cfg.max_message_bytes,
                 "private_dir": self.private_dir,
                 "weight_version": 0,
+                "curve_client_keys": (
+                    [k.decode() for k in (*self._worker_keys, self._server_keys[0])]
+                    if self._worker_keys and self._server_keys and self.worker_address.startswith("tcp://")
+                    else None
+                ),
                 "log_level": logging.getLevelName(logging.getLogger("rollfleet").getEffectiveLevel()),
             },
             env,
@@ -188,8 +210,8 @@ class Supervisor:
         try:
             await asyncio.wait_for(asyncio.gather(*(h.registered for h in handles)), timeout)
         except asyncio.TimeoutError:
-            late = [h for h in handles if not h.registered.done()]
-            h = late[0]
+            late = [h for h in handles if not h.registered.done() or h.registered.cancelled()]
+            h = late[0] if late else handles[0]
             raise WorkerStartError(
                 f"worker {h.worker_id} did not register within {timeout}s; its output ends with:\n"
                 f"{h.proc.stderr_tail()}"
@@ -231,6 +253,8 @@ class Supervisor:
             for lsock in (self._wsock, self._fsock):
                 if lsock is not None:
                     lsock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             if self._ctx is not None:
                 self._ctx.term()
             if self.private_dir:
@@ -276,7 +300,8 @@ class Supervisor:
     def _on_worker_dead(self, handle: WorkerHandle, reason: str) -> None:
         if handle.worker_id not in self.workers:
             return
-        was_ready = handle.registered.done() and not handle.registered.exception()
+        reg = handle.registered
+        was_ready = reg.done() and not reg.cancelled() and reg.exception() is None
         logger.log(logging.INFO if self.closed else logging.WARNING,
                    "worker %s (pid %d) died: %s", handle.worker_id, handle.pid, reason)
         handle.last_error = reason

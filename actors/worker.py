@@ -90,7 +90,7 @@ class EngineWorker:
             bind=False,
             identity=self.worker_id.encode(),
             options=opts,
-            curve_client_keys=tuple(bytes.fromhex(k) for k in curve) if curve else None,
+            curve_client_keys=tuple(k.encode() for k in curve) if curve else None,
         )
         self._sock = LoopSocket(sock, self._on_frames, copy=False)
         try:

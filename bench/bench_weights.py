@@ -1,20 +1,31 @@
 """Weight-update throughput: rollfleet's transports against a plain copy of the same bytes.
 
-For each bucket size, one engine worker process (a receiver over ZeroMQ, like the real
-worker) holds preallocated torch tensors and copies every received tensor into them, so the
-timing is end-to-end: trainer tensors -> bucket buffer -> engine tensors. Baselines, in the
-same run: ``memcpy`` (one CPU copy of the same bytes) and, with a GPU, ``d2d`` (one
-device-to-device copy). Each update is run once to warm up (allocation), then timed.
+End to end means: trainer tensors -> bucket buffer -> the engine's own parameters, timed
+from the call to ``update`` until every worker has committed the version.
+
+- ``shm`` and ``gloo``: a real fleet (``Supervisor``, one worker process running the torch
+  engine on a Llama checkpoint of the requested size, written once into a temp dir) and
+  ``await sup.update_weights(tensors, version, bucket_bytes=...)`` with tensors matching the
+  engine's state dict. The supervisor's keep-last copy (``keep_last_weights``) is off for
+  these rows: it is a separate cost (a fresh CPU copy of the whole model), measured once in
+  its own row ``shm_keep_last``.
+- ``cuda_ipc`` (with a GPU): the same sender and receiver without the engine: a worker process
+  whose engine copies every tensor into preallocated CUDA tensors (``ParamEngine``).
+- Baselines, measured in the same run, interleaved with the updates (best of each):
+  ``memcpy``: one copy of the same bytes into preallocated CPU tensors (best of 1 thread and
+  torch's default thread count); ``d2d``: one device-to-device copy into preallocated tensors.
+
+Each update is run once to warm up (the first one allocates the transfer buffers, which are
+then kept), then timed ``--reps`` times; the best is reported.
 
     python bench/bench_weights.py --quick --json out.json
-    python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --png curve.png
+    python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --json w.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -25,12 +36,15 @@ import torch
 import zmq
 import zmq.asyncio
 
-from rollfleet.engines.base import Engine
-from rollfleet.errors import RequestTimeout, from_code
-from rollfleet.transport.codec import decode, encode
-from rollfleet.transport.messages import Error, Register, Reply, Shutdown, WeightsBegin, WeightsBucket, WeightsEnd
-from rollfleet.transport.sockets import make_socket
-from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_parser, machine_info, png_path, print_table, write_json  # noqa: E402
+
+from rollfleet.engines.base import Engine  # noqa: E402
+from rollfleet.errors import RequestTimeout, from_code  # noqa: E402
+from rollfleet.transport.codec import decode, encode  # noqa: E402
+from rollfleet.transport.messages import Error, Register, Reply, Shutdown  # noqa: E402
+from rollfleet.transport.sockets import make_socket  # noqa: E402
+from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig  # noqa: E402
 
 MB = 1 << 20
 
@@ -149,21 +163,31 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
         ctx.term()
 
 
-def copy_gbps(weights, device: str, reps: int) -> float:
-    """One copy of the same bytes into preallocated tensors on ``device``."""
+def copy_gbps(weights, device: str, reps: int, threads: int | None = None) -> float:
+    """One copy of the same bytes into preallocated tensors on ``device`` (best of reps)."""
     dst = [torch.empty_like(t, device=device) for _, t in weights]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     best = 0.0
-    for _ in range(reps + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for d, (_, t) in zip(dst, weights):
-            d.copy_(t)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    try:
+        for _ in range(reps + 1):  # the first pass faults the destination in
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for d, (_, t) in zip(dst, weights):
+                d.copy_(t)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    finally:
+        torch.set_num_threads(before)
     return best
+
+
+def memcpy_gbps(weights, reps: int) -> float:
+    return max(copy_gbps(weights, "cpu", reps, 1), copy_gbps(weights, "cpu", reps))
 
 
 def make_weights(total: int, device: str) -> list:
@@ -174,15 +198,75 @@ def make_weights(total: int, device: str) -> list:
             for i in range(n)]
 
 
+# ---------------------------------------------------------------------------- real fleet
+
+
+def llama_checkpoint(folder: str, total: int) -> list[tuple[str, torch.Tensor]]:
+    """Write a bf16 Llama checkpoint of about ``total`` bytes (hidden 2048, vocab 32000, as
+    many layers as fit, at least 1) into ``folder``; return trainer-side tensors of the same
+    names, shapes and dtype (other values, so an update really changes the engine)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    per_layer = (4 * 2048 * 2048 + 3 * 2048 * 5632 + 2 * 2048) * 2
+    fixed = (2 * 32000 * 2048 + 2048) * 2
+    layers = max(1, round((total - fixed) / per_layer))
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    saved = {k: torch.full(s, 0.01, dtype=torch.bfloat16) for k, s in shapes.items()}
+    save_file(saved, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    del saved
+    return [(k, torch.empty(s, dtype=torch.bfloat16).uniform_(-0.02, 0.02)) for k, s in shapes.items()]
+
+
+async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: list[int], reps: int,
+                       baseline: list[float]) -> dict[str, dict[int, float]]:
+    """GB/s of sup.update_weights into a live torch engine, per transport and bucket size.
+    Appends a memcpy measurement before each timed update to ``baseline``."""
+    from rollfleet.actors.config import FleetConfig
+    from rollfleet.actors.supervisor import Supervisor
+
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    config = FleetConfig(engine="torch", num_workers=1, keep_last_weights=False, frontend_addr=None,
+                         engine_options={"model": folder, "dtype": "bfloat16"}, call_timeout_s=300)
+    curves: dict[str, dict[int, float]] = {"shm": {}, "gloo": {}}
+    version = 0
+    async with Supervisor(config) as sup:
+        async def timed(transport: str, bucket: int) -> float:
+            nonlocal version
+            version += 1
+            t0 = time.perf_counter()
+            await sup.update_weights(iter(weights), version, transport=transport, bucket_bytes=bucket)
+            return nbytes / (time.perf_counter() - t0) / 1e9
+
+        for transport, sizes in (("shm", buckets), ("collective", gloo_buckets)):
+            for bucket in sizes:
+                await timed(transport, bucket)  # warm-up: buffers allocated and mapped
+                best = 0.0
+                for _ in range(reps):
+                    baseline.append(memcpy_gbps(weights, 1))
+                    best = max(best, await timed(transport, bucket))
+                curves["gloo" if transport == "collective" else "shm"][bucket] = best
+        # The supervisor's own copy of each update, kept for restarted workers (on by default).
+        best_bucket = max(curves["shm"], key=curves["shm"].get)
+        sup.weights.keep_last_weights = True
+        curves["shm_keep_last"] = {best_bucket: max([await timed("shm", best_bucket) for _ in range(reps)])}
+        stats = await sup.stats() if hasattr(sup, "stats") else None
+        del stats
+    return curves
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes; under a minute on 2 cores")
-    p.add_argument("--json", help="write the flat JSON result here")
-    p.add_argument("--png", help="write the GB/s-against-bucket-size plot here")
+    p = bench_parser(__doc__)
     p.add_argument("--total-gb", type=float, default=1.0, help="bytes of weights per update (1-4)")
     p.add_argument("--buckets-mb", default="64,128,256,512,1024")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--transports", default="shm,gloo,cuda_ipc",
+                   help="comma-separated; cuda_ipc runs only with a GPU; shm/gloo need transformers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -193,57 +277,81 @@ def main() -> None:
     buckets = [int(b) * MB for b in args.buckets_mb.split(",")]
     reps = args.reps
     if args.quick:
-        total, buckets, reps = 256 * MB, [16 * MB, 64 * MB], 1
-    weights = make_weights(total, "cpu")
+        total, buckets, reps = 400 * MB, [64 * MB, 256 * MB], 2
+    wanted = set(args.transports.split(","))
+    result: dict = {"quick": bool(args.quick), **machine_info()}
+    curves: dict[str, dict[int, float]] = {}
+    baseline: list[float] = []
+    weights = None
+    if wanted & {"shm", "gloo"}:
+        with tempfile.TemporaryDirectory(prefix="rf-bench-model-") as folder:
+            weights = llama_checkpoint(folder, total)
+            gloo_buckets = (buckets[:1] if args.quick else buckets) if "gloo" in wanted else []
+            fleet = asyncio.run(fleet_curves(folder, weights, buckets if "shm" in wanted else [], gloo_buckets,
+                                             reps, baseline))
+            curves.update({k: v for k, v in fleet.items() if v})
+    if weights is None:
+        weights = make_weights(total, "cpu")
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    result: dict = {"bytes": nbytes, "buckets_mb": [b // MB for b in buckets]}
-    result["memcpy_gbps"] = copy_gbps(weights, "cpu", reps)
-    curves = {"shm": asyncio.run(measure("shm", "cpu", weights, buckets, reps))}
-    if not args.no_gloo:
-        curves["gloo"] = asyncio.run(measure("collective", "cpu", weights, buckets[:1] if args.quick else buckets, reps))
-    if torch.cuda.is_available():
-        gpu_weights = [(n, t.cuda()) for n, t in weights]
+    baseline.append(memcpy_gbps(weights, reps))
+    result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets))
+    result["memcpy_gbps"] = max(baseline)
+    if "cuda_ipc" in wanted and torch.cuda.is_available():
+        gpu_weights = [(n, t.cuda()) for n, t in make_weights(total, "cpu")]
+        result["bytes_cuda"] = sum(t.numel() * t.element_size() for _, t in gpu_weights)
         result["d2d_gbps"] = copy_gbps(gpu_weights, "cuda", reps)
         curves["cuda_ipc"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, reps))
+        result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", reps))
     for name, curve in curves.items():
         for bucket, gbps in curve.items():
             result[f"{name}_gbps_{bucket // MB}mb"] = gbps
         result[f"{name}_gbps"] = max(curve.values())
-    result["shm_vs_memcpy"] = result["shm_gbps"] / result["memcpy_gbps"]
+    if "shm_gbps" in result:
+        result["shm_vs_memcpy"] = result["shm_gbps"] / result["memcpy_gbps"]
     if "cuda_ipc_gbps" in result:
         result["cuda_ipc_vs_d2d"] = result["cuda_ipc_gbps"] / result["d2d_gbps"]
 
-    print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors")
-    print(f"{'transport':<10}" + "".join(f"{b // MB:>10} MB" for b in buckets))
-    for name, curve in curves.items():
-        print(f"{name:<10}" + "".join(f"{curve[b]:>10.2f} GB/s"[:-5] + "    " if b in curve else f"{'-':>13}"
-                                      for b in buckets))
-    print(f"memcpy     {result['memcpy_gbps']:.2f} GB/s   shm/memcpy {result['shm_vs_memcpy']:.2f} (goal >= 0.5)")
+    print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; GB/s end to end, best of {reps}")
+    rows = [[name] + [curve.get(b) for b in buckets] for name, curve in curves.items()]
+    print_table(["transport"] + [f"{b // MB} MB" for b in buckets], rows)
+    print(f"memcpy {result['memcpy_gbps']:.2f} GB/s", end="")
+    if "shm_vs_memcpy" in result:
+        print(f"   shm/memcpy {result['shm_vs_memcpy']:.2f} (goal >= 0.5)", end="")
+    print()
     if "d2d_gbps" in result:
-        print(f"d2d        {result['d2d_gbps']:.2f} GB/s   cuda_ipc/d2d {result['cuda_ipc_vs_d2d']:.2f} (goal >= 0.7)")
+        print(f"d2d    {result['d2d_gbps']:.2f} GB/s   cuda_ipc/d2d {result['cuda_ipc_vs_d2d']:.2f} (goal >= 0.7)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.png:
+        write_json(args.json, result)
+    path = png_path(args)
+    if path:
+        plot(path, curves, result, nbytes)
+
+
+def plot(path: str, curves: dict, result: dict, nbytes: int) -> None:
+    try:
         import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, curve in curves.items():
-            xs = sorted(curve)
-            ax.plot([x // MB for x in xs], [curve[x] for x in xs], marker="o", label=name)
-        ax.axhline(result["memcpy_gbps"], linestyle="--", color="grey", label="memcpy")
-        if "d2d_gbps" in result:
-            ax.axhline(result["d2d_gbps"], linestyle=":", color="black", label="d2d copy")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("bucket size (MB)")
-        ax.set_ylabel("GB/s (end-to-end)")
-        ax.set_title(f"weight update, {nbytes / 1e9:.2f} GB")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        xs = sorted(curve)
+        ax.plot([x // MB for x in xs], [curve[x] for x in xs], marker="o", label=name)
+    ax.axhline(result["memcpy_gbps"], linestyle="--", color="grey", label="memcpy")
+    if "d2d_gbps" in result:
+        ax.axhline(result["d2d_gbps"], linestyle=":", color="black", label="d2d copy")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("GB/s (end to end)")
+    ax.set_title(f"weight update, {nbytes / 1e9:.2f} GB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ them over shared memory, CUDA IPC or a private torch.distributed group; ``Weight
 from .bucket import Assembler, Packer, fill, unpack
 from .config import WeightSyncConfig, choose_transport
 from .receiver import WeightReceiver
-from .sender import UpdateReport, WeightSender, WorkerLink, WorkerReport
+from .sender import UpdateReport, WeightSender, WorkerLink, WorkerReport, release_buffers
 
 __all__ = [
     "WeightSyncConfig",
@@ -17,6 +17,7 @@ __all__ = [
     "WorkerLink",
     "UpdateReport",
     "WorkerReport",
+    "release_buffers",
     "WeightReceiver",
     "Packer",
     "Assembler",

@@ -250,7 +250,7 @@ def unpack(buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[st
         name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
         if "part_offset" in entry:
             raise ValueError(f"{name}: a split tensor part needs an Assembler")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if nbytes != _numel(shape) * itemsize:
             raise ValueError(f"{name}: {nbytes} bytes do not match shape {shape} of {entry['dtype']}")
         if offset % itemsize:
@@ -263,16 +263,29 @@ class Assembler:
     """Turns bucket entries into complete tensors, joining the parts of split tensors.
 
     Whole tensors come back as views of the buffer (valid until it is reused); split
-    tensors are assembled into a fresh tensor on the buffer's device and returned when
-    their last part arrives.
+    tensors are assembled into a tensor on the buffer's device and returned when their
+    last part arrives. With ``keep`` the assembly space of each split tensor is reused by
+    the next update (call ``start`` at the beginning of each one): fresh memory costs a page
+    fault per page, as much as a copy, so a tensor handed out is then valid only until the
+    next update.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
+        self.keep = keep
         self._partial: dict[str, tuple[torch.Tensor, int, dict[str, Any]]] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
 
     @property
     def incomplete(self) -> list[str]:
         return sorted(self._partial)
+
+    def start(self) -> None:
+        """A new update: forget partial tensors and the space of tensors the last one lacked."""
+        self._partial.clear()
+        if self._used:
+            self._spare = {n: t for n, t in self._spare.items() if n in self._used}
+        self._used = set()
 
     def add(self, buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []
@@ -285,17 +298,27 @@ class Assembler:
                 out.extend(unpack(buffer, [entry]))
         return out
 
+    def _space(self, name: str, total: int, device: torch.device) -> torch.Tensor:
+        spare = self._spare.get(name)
+        if spare is not None and spare.numel() == total and spare.device == device:
+            return spare
+        data = torch.empty(total, dtype=torch.uint8, device=device)
+        if self.keep:
+            self._spare[name] = data
+        return data
+
     def _add_part(self, buffer: torch.Tensor, entry: dict[str, Any]) -> tuple[str, torch.Tensor] | None:
         name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
         part_offset, total = entry.get("part_offset"), entry.get("total_nbytes")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if type(part_offset) is not int or type(total) is not int or total != _numel(shape) * itemsize:
             raise ValueError(f"{name}: bad split part (part_offset {part_offset!r}, total_nbytes {total!r})")
         if part_offset < 0 or part_offset + nbytes > total:
             raise ValueError(f"{name}: part [{part_offset}, {part_offset + nbytes}) outside {total} bytes")
         held = self._partial.get(name)
         if held is None:
-            held = (torch.empty(total, dtype=torch.uint8, device=buffer.device), 0, entry)
+            held = (self._space(name, total, buffer.device), 0, entry)
+            self._used.add(name)
         data, received, first = held
         if first["dtype"] != entry["dtype"] or first["shape"] != shape or data.numel() != total:
             raise ValueError(f"{name}: parts disagree on dtype or shape")
@@ -308,4 +331,11 @@ class Assembler:
         return name, data.view(dtype).view(shape)
 
     def clear(self) -> None:
+        """Forget partial tensors (an update ended or failed); kept space stays."""
         self._partial.clear()
+
+    def release(self) -> None:
+        """Forget everything, kept space included."""
+        self._partial.clear()
+        self._spare.clear()
+        self._used = set()

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import socket
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveChannel", "open_store", "make_group", "broadcast", "close_group", "local_address"]
+__all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address"]
 
 
 def local_address(peer: str) -> str:
@@ -89,6 +90,42 @@ def close_group(group: Any) -> None:
                 continue
 
 
+# Rank 0's buffers kept between updates (fresh memory costs a page fault per page).
+_kept: list[torch.Tensor] = []
+_kept_busy = False
+_kept_lock = threading.Lock()
+
+
+def _take(device: torch.device, size: int, count: int, capacity: int) -> list[torch.Tensor]:
+    global _kept_busy
+    with _kept_lock:
+        if (not _kept_busy and len(_kept) >= count and all(b.device == device for b in _kept)
+                and size <= _kept[0].numel() <= max(size, capacity)):
+            _kept_busy = True
+            return _kept[:count]
+    return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
+
+
+def _give_back(buffers: list[torch.Tensor], keep: bool) -> None:
+    global _kept, _kept_busy
+    with _kept_lock:
+        mine = bool(buffers) and bool(_kept) and buffers[0] is _kept[0]
+        if mine:
+            _kept_busy = False
+            if not keep:
+                _kept = []
+        elif keep and not _kept_busy and buffers:
+            _kept = list(buffers)
+
+
+def release_kept() -> None:
+    """Free the buffers this process keeps between updates."""
+    global _kept
+    with _kept_lock:
+        if not _kept_busy:
+            _kept = []
+
+
 class CollectiveChannel:
     """Sender side of the collective transport: rank 0 of a private group, broadcasting each
     bucket from a local buffer to every collective receiver."""
@@ -112,12 +149,13 @@ class CollectiveChannel:
             "127.0.0.1" if all(is_local_host(l.host) for l in links) else socket.getfqdn()
         )
         self.prefix = f"rollfleet/{update_id}"
+        self.keep = bool(getattr(config, "keep_buffers", True))
         self.buffers: list[torch.Tensor] = []
         self.store: Any = None
         self.group: Any = None
 
-    def allocate(self, size: int, num_buffers: int) -> None:
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(num_buffers)]
+    def allocate(self, size: int, num_buffers: int, capacity: int | None = None) -> None:
+        self.buffers = _take(self.device, size, num_buffers, capacity or size)
         self.store = open_store(self.addr, self.timeout_s)
 
     def _options(self, rank: int) -> dict[str, Any]:
@@ -134,6 +172,9 @@ class CollectiveChannel:
     def begin(self, link: Any, rank: int) -> tuple[list[dict], dict]:
         buffers = [{"size": b.numel()} for b in self.buffers]
         return buffers, self._options(rank + 1)
+
+    def renew(self) -> None:  # buffers are private to each rank; never asked for
+        return None
 
     async def connect(self) -> None:
         self.group = await asyncio.to_thread(make_group, self._options(0), self.store)
@@ -161,4 +202,5 @@ class CollectiveChannel:
         close_group(self.group)
         self.group = None
         self.store = None
-        self.buffers = []
+        buffers, self.buffers = self.buffers, []
+        _give_back(buffers, self.keep)

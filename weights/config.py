@@ -26,6 +26,14 @@ class WeightSyncConfig:
     master_addr: str = ""
     """Address the workers use to reach this process's rendezvous store for the collective
     transport; '' means 127.0.0.1 when every collective worker is local, else this host's name."""
+    keep_buffers: bool = True
+    """Keep the two transfer buffers (shm segments, CUDA buffers) in this process after an
+    update, and let receivers keep their mappings of them, so the next update with the same
+    bucket size skips allocating, mapping and faulting them in. Between updates they hold
+    2 x bucket_bytes of memory; ``False`` frees them after every update."""
+    fill_threads: int = 0
+    """CPU threads that copy tensors into a bucket's buffer; 0: half of torch's threads (at
+    least 1), leaving the rest to the engines, which copy the previous bucket meanwhile."""
     device: str = ""
     """CUDA device of the sender's buffers for cuda_ipc and nccl; '' means the current device."""
 
@@ -40,6 +48,10 @@ class WeightSyncConfig:
             raise ValueError(f"abort_timeout_s must be > 0, got {self.abort_timeout_s}")
         if self.collective_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"collective_backend must be auto, gloo or nccl, got {self.collective_backend!r}")
+        if type(self.fill_threads) is not int or self.fill_threads < 0:
+            raise ValueError(f"fill_threads must be an int >= 0, got {self.fill_threads!r}")
+        if type(self.keep_buffers) is not bool:
+            raise ValueError(f"keep_buffers must be a bool, got {self.keep_buffers!r}")
         if self.device and not self.device.startswith("cuda"):
             raise ValueError(f"device must be a CUDA device ('cuda', 'cuda:N') or '', got {self.device!r}")
 

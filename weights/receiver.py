@@ -6,8 +6,12 @@ RolloutError (InvalidRequest for malformed or out-of-order messages, EngineFaile
 engine's loader raised).
 
 Per bucket the receiver turns the entries into complete (name, tensor) pairs (whole tensors
-are views of the shared buffer, valid only during the ``load_weights`` call; split tensors
-are assembled once all their parts arrived) and awaits ``engine.load_weights(pairs)``.
+are views of the shared buffer; split tensors are assembled once all their parts arrived)
+and awaits ``engine.load_weights(pairs)``. Every tensor handed over is valid only during
+that call: the engine copies what it keeps. This is what lets the receiver keep its
+mappings of the sender's buffers (shm segments, CUDA IPC handles) and the assembly buffers
+of split tensors from one update to the next instead of paying for fresh memory each time;
+``close`` frees them.
 
 Descriptor path: an engine that must read the buffer in another process (vLLM reads in
 its own worker process) defines ``load_weights_from_descriptor(descriptor)``; with the shm
@@ -69,6 +73,9 @@ class WeightReceiver:
         self.version = 0
         self.watch_interval_s = watch_interval_s
         self._update: _Update | None = None
+        # Buffers kept between updates: the sender's, by (token, index), and assembly space.
+        self._mapped: dict[tuple[str, int], torch.Tensor] = {}
+        self._assembler = Assembler(keep=True)
         # Engines that read buckets in another process and can hold them until the end (vLLM).
         self._can_stage = callable(getattr(engine, "commit_weights", None)) and callable(
             getattr(engine, "discard_weights", None)
@@ -107,51 +114,88 @@ class WeightReceiver:
         """Release everything held; unlinks kept shm names only if their sender is gone."""
         if self._update is not None:
             self._drop(sender_gone=not self._sender_alive(self._update))
+        self._mapped.clear()
+        self._assembler.release()
+
+    def unlink_orphans(self) -> None:
+        """Unlink the shm names kept for an update whose sender is gone. Plain system calls
+        only, so it is safe from any thread, e.g. when the worker's parent dies."""
+        up = self._update
+        if up is not None and up.names and not self._sender_alive(up):
+            for name in up.names:
+                shm.unlink(name)
 
     # ------------------------------------------------------------------ messages
 
     async def _begin(self, msg: WeightsBegin) -> dict[str, Any]:
+        uid = _update_id(msg.id)
         if self._update is not None:
-            logger.warning("weight update %s abandoned; starting %s", self._update.uid, _update_id(msg.id))
+            if self._update.uid != uid:  # the same update begun again (fresh buffers) is expected
+                logger.warning("weight update %s abandoned; starting %s", self._update.uid, uid)
             self._drop(sender_gone=not self._sender_alive(self._update))
         if msg.transport not in TRANSPORTS:
             raise InvalidRequest(f"unknown weights transport {msg.transport!r}")
-        up = _Update(uid=_update_id(msg.id), version=msg.version, transport=msg.transport)
+        up = _Update(uid=uid, version=msg.version, transport=msg.transport, assembler=self._assembler)
         try:
-            sizes = [b.get("size", b.get("nbytes")) for b in msg.buffers]
+            sizes = [b.get("size", b.get("nbytes")) if type(b) is dict else None for b in msg.buffers]
             if not sizes or not all(type(s) is int and s > 0 for s in sizes):
                 raise ValueError("every buffer needs a positive 'size'")
             up.sizes = sizes
             if msg.transport == "shm":
-                await self._open_shm(up, msg)
+                if not await self._open_shm(up, msg):
+                    return {"need_names": True, "version": self.version}
             elif msg.transport == "cuda_ipc":
                 from .cuda_ipc import open_shared
 
                 index = self.device.index if self.device.type == "cuda" else None
-                up.buffers = [open_shared(b, index) for b in msg.buffers]
+                up.buffers = self._reuse(msg.buffers, lambda b: open_shared(b, index))
             else:
                 await self._open_collective(up, msg)
         except BaseException:
             self._release(up, unlink=False)
             raise
+        up.assembler.start()
         self._update = up
         return {"keep_names": up.descriptor, "version": self.version}
 
-    async def _open_shm(self, up: _Update, msg: WeightsBegin) -> None:
+    def _reuse(self, descs: list[dict], open_one: Any) -> list[torch.Tensor]:
+        """The buffers of ``descs``: those mapped by an earlier update (same token and size)
+        as they are, the others opened with ``open_one``. Mappings not named here are dropped."""
+        mapped: dict[tuple[str, int], torch.Tensor] = {}
+        out = []
+        for i, desc in enumerate(descs):
+            token = desc.get("pool")
+            key = (token, int(desc.get("index", i))) if type(token) is str else None
+            buf = self._mapped.get(key) if key is not None else None
+            if buf is None or buf.numel() != desc["size"]:
+                buf = open_one(desc)
+            if key is not None:
+                mapped[key] = buf
+            out.append(buf)
+        self._mapped = mapped
+        return out
+
+    async def _open_shm(self, up: _Update, msg: WeightsBegin) -> bool:
+        """Map the update's segments; False when a segment is neither mapped already nor named."""
         names = [b.get("name") for b in msg.buffers]
-        for name in names:
-            shm._path(name)  # validates: only rollfleet names, nothing outside /dev/shm
-        up.names = names
         pid, start = msg.options.get("sender_pid"), msg.options.get("sender_start")
         up.sender_pid = pid if type(pid) is int else None
         up.sender_start = float(start) if type(start) in (int, float) else None
         up.descriptor = callable(getattr(self.engine, "load_weights_from_descriptor", None))
+        held = {(b.get("pool"), b.get("index", i)) for i, b in enumerate(msg.buffers)} <= self._mapped.keys()
+        if None in names and (up.descriptor or not held):
+            return False  # the sender starts over with fresh, named segments
+        for name in names:
+            if name is not None:
+                shm._path(name)  # validates: only rollfleet names, nothing outside /dev/shm
+        up.names = [n for n in names if n is not None]
         if up.descriptor:
             # Names must outlive this message; if the sender dies, nobody else unlinks them.
             if up.sender_pid is not None:
                 up.watchdog = asyncio.create_task(self._watch(up))
         else:
-            up.buffers = [shm.attach(n, s) for n, s in zip(names, up.sizes)]
+            up.buffers = self._reuse(msg.buffers, lambda b: shm.attach(b["name"], b["size"]))
+        return True
 
     async def _open_collective(self, up: _Update, msg: WeightsBegin) -> None:
         from .collective import make_group
@@ -160,7 +204,9 @@ class WeightReceiver:
         device = self.device if backend == "nccl" else torch.device("cpu")
         if backend == "nccl" and device.type != "cuda":
             raise ValueError("nccl needs a receiver on a CUDA device")
-        up.buffers = [torch.empty(s, dtype=torch.uint8, device=device) for s in up.sizes]
+        # Private buffers, kept like the shm mappings: fresh memory each update costs a fault per page.
+        descs = [{"size": s, "pool": f"local:{device}", "index": i} for i, s in enumerate(up.sizes)]
+        up.buffers = self._reuse(descs, lambda d: torch.empty(d["size"], dtype=torch.uint8, device=device))
         up.group = await asyncio.to_thread(make_group, dict(msg.options))
 
     async def _bucket(self, msg: WeightsBucket) -> dict[str, Any]:
@@ -245,7 +291,7 @@ class WeightReceiver:
         if up.watchdog is not None and up.watchdog is not asyncio.current_task():
             up.watchdog.cancel()
         up.buffers = []
-        up.assembler.clear()
+        up.assembler.clear()  # partial tensors; completed assembly space is kept for reuse
         if up.group is not None:
             from .collective import close_group
 

@@ -17,8 +17,10 @@ WeightUpdateError naming the worker and the cause.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,7 +34,7 @@ from . import shm
 from .bucket import ALIGN, Bucket, Packer, fill
 from .config import WeightSyncConfig, choose_transport
 
-__all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport"]
+__all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport", "release_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,40 @@ def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: s
     return CollectiveChannel(links, config, update_id)
 
 
+_filler: concurrent.futures.ThreadPoolExecutor | None = None
+_filler_lock = threading.Lock()
+
+
+def _fill_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread for filling buffers, apart from asyncio's default pool: its torch thread
+    count (per thread) is set for each fill without touching the trainer's threads."""
+    global _filler
+    with _filler_lock:
+        if _filler is None:
+            _filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollfleet-fill")
+        return _filler
+
+
+def _fill_threads(config: WeightSyncConfig) -> int:
+    if config.fill_threads:
+        return config.fill_threads
+    # Half the cores: while one bucket is filled the engines copy the previous one out, and
+    # on a small machine more copy threads than cores only slow both sides down.
+    return max(1, torch.get_num_threads() // 2)
+
+
+def release_buffers() -> None:
+    """Free the transfer buffers this process keeps between updates (see
+    WeightSyncConfig.keep_buffers); receivers drop their mappings at their next update."""
+    import sys
+
+    shm.release_kept()
+    for name in ("cuda_ipc", "collective"):
+        module = sys.modules.get(f"{__package__}.{name}")
+        if module is not None:
+            module.release_kept()
+
+
 class WeightSender:
     """Pushes named tensors to engine workers. One update at a time per sender."""
 
@@ -148,6 +184,8 @@ class WeightSender:
         channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
         packer = Packer(named_tensors, cfg.bucket_bytes)
         buckets = iter(packer)
+        loop = asyncio.get_running_loop()
+        threads = _fill_threads(cfg)
         inflight: list[asyncio.Task | None] = []
         begun = False
         try:
@@ -156,7 +194,7 @@ class WeightSender:
             size = max(ALIGN, -(-first.nbytes // ALIGN) * ALIGN) if single and first else packer.capacity
             num_buffers = 1 if single else 2
             for ch in channels:
-                ch.allocate(size, num_buffers)
+                ch.allocate(size, num_buffers, packer.capacity)
             begun = True
             await self._begin(uid, version, channels, cfg)
             inflight = [None] * num_buffers
@@ -168,7 +206,7 @@ class WeightSender:
                 for task in inflight:  # fail fast if the other bucket already failed
                     if task is not None and task.done():
                         task.result()
-                await asyncio.to_thread(self._fill, bucket, slot, channels)
+                await loop.run_in_executor(_fill_executor(), self._fill, bucket, slot, channels, threads)
                 transfers = [ch.transfer(slot, bucket.nbytes) for ch in channels]
                 inflight[slot] = asyncio.create_task(
                     self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers)
@@ -208,30 +246,42 @@ class WeightSender:
         return report
 
     async def _begin(self, uid: str, version: int, channels: list, cfg: WeightSyncConfig) -> None:
-        calls: list[asyncio.Task] = []
-        per_channel: list[list[asyncio.Task]] = []
-        for ch in channels:
-            mine = []
-            for rank, link in enumerate(ch.links):
-                buffers, options = ch.begin(link, rank)
-                msg = WeightsBegin(
-                    id=f"{uid}.begin", version=version, transport=ch.kind,
-                    bucket_bytes=cfg.bucket_bytes, buffers=buffers, options=options,
-                )  # fmt: skip
-                mine.append(asyncio.create_task(self._call(link, msg)))
-            per_channel.append(mine)
-            calls.extend(mine)
         connects = [asyncio.create_task(ch.connect()) for ch in channels]
         try:
-            await asyncio.gather(*calls, *connects)
+            replies = await asyncio.gather(*(self._begin_channel(uid, version, ch, cfg) for ch in channels), *connects)
+            for ch, answers in zip(channels, replies):
+                if any(a.get("need_names") for a in answers):
+                    # A receiver lacks the kept buffers (restarted, or new): start over with
+                    # fresh ones that every receiver of this channel maps by name.
+                    ch.renew()
+                    answers = await self._begin_channel(uid, version, ch, cfg)
+                    if any(a.get("need_names") for a in answers):
+                        raise RuntimeError("a receiver refused freshly created buffers")
+                ch.after_begin(answers)
         except BaseException:
-            for t in (*calls, *connects):
+            for t in connects:
                 t.cancel()
             raise
-        for ch, mine in zip(channels, per_channel):
-            ch.after_begin([t.result() for t in mine])
 
-    def _fill(self, bucket: Bucket, slot: int, channels: list) -> None:
+    async def _begin_channel(self, uid: str, version: int, ch: Any, cfg: WeightSyncConfig) -> list[dict]:
+        calls = []
+        for rank, link in enumerate(ch.links):
+            buffers, options = ch.begin(link, rank)
+            msg = WeightsBegin(
+                id=f"{uid}.begin", version=version, transport=ch.kind,
+                bucket_bytes=cfg.bucket_bytes, buffers=buffers, options=options,
+            )  # fmt: skip
+            calls.append(asyncio.create_task(self._call(link, msg)))
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            for t in calls:
+                t.cancel()
+            raise
+
+    def _fill(self, bucket: Bucket, slot: int, channels: list, threads: int) -> None:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # this thread's own setting (OpenMP is per thread)
         primary = channels[0].buffers[slot]
         fill(bucket, primary)
         for ch in channels[1:]:

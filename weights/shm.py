@@ -11,6 +11,15 @@ receiver asks to keep the names (an engine that opens them by name in another pr
 do they live for the whole update; then the sender unlinks in ``finally``, the receiver
 unlinks when it sees the sender die, and ``sweep_stale`` removes leftovers of dead
 creators on the next update.
+
+Reuse: creating a segment costs far more than filling it (the kernel must allocate and
+zero every page; on a virtual machine each first touch also traps to the host), so the
+sender keeps its segments after an update (``Segments`` checked back in) and receivers
+keep their mappings, keyed by the segments' token. By then the names are gone: what stays
+is memory mapped by live processes only, which the kernel frees when the last of them
+unmaps or exits, so nothing can be left behind. A receiver that does not hold the token
+(a restarted worker) answers ``need_names`` and the sender starts over with fresh
+segments.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import mmap
 import os
 import re
 import secrets
+import threading
 
 import psutil
 import torch
 
-__all__ = ["ShmChannel", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments", "sweep_stale",
-           "pid_alive"]
+__all__ = ["ShmChannel", "Segments", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments",
+           "sweep_stale", "pid_alive", "release_kept"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rf-"
@@ -132,26 +142,117 @@ def sweep_stale() -> list[str]:
     return removed
 
 
+class Segments:
+    """A set of equal-sized segments created together; named until ``unlink_names``."""
+
+    def __init__(self, size: int, count: int) -> None:
+        self.token = secrets.token_hex(8)
+        self.size = size
+        self.names = [new_name(i, self.token) for i in range(count)]
+        self.buffers: list[torch.Tensor] = []
+        self.named = True
+        try:
+            for name in self.names:
+                self.buffers.append(create(name, size))
+        except BaseException:
+            self.unlink_names()
+            raise
+
+    def fits(self, size: int, count: int, capacity: int) -> bool:
+        # Exactly one bucket's capacity, or more than a single short bucket needs: a bigger
+        # set left by an update with larger buckets is freed, not kept alongside.
+        return len(self.buffers) >= count and size <= self.size <= max(size, capacity)
+
+    def unlink_names(self) -> None:
+        if self.named:
+            for name in self.names:
+                unlink(name)
+            self.named = False
+
+
+# The segments kept between updates by this (sender) process, and whether an update uses them.
+_kept: Segments | None = None
+_kept_busy = False
+_kept_lock = threading.Lock()
+
+
+def _checkout(size: int, count: int, capacity: int) -> tuple[Segments, bool]:
+    """Segments for one update and whether they are the kept ones (already mapped by the
+    receivers of an earlier update, names gone). Creates fresh, named ones otherwise."""
+    global _kept, _kept_busy
+    with _kept_lock:
+        if _kept is not None and not _kept_busy and not _kept.named and _kept.fits(size, count, capacity):
+            _kept_busy = True
+            return _kept, True
+    return Segments(size, count), False
+
+
+def _checkin(segs: Segments, keep: bool) -> None:
+    """End of an update: keep ``segs`` for the next one (names must be gone) or drop them."""
+    global _kept, _kept_busy
+    segs.unlink_names()
+    with _kept_lock:
+        if _kept is segs:
+            _kept_busy = False
+            if not keep:
+                _kept = None
+        elif keep and not _kept_busy:
+            _kept = segs  # replaces (frees) an older set
+        segs_kept = _kept is segs
+    if not segs_kept:
+        segs.buffers.clear()
+
+
+def release_kept() -> None:
+    """Free the segments this process keeps between updates (the next update creates new ones)."""
+    global _kept
+    with _kept_lock:
+        if not _kept_busy:
+            _kept = None
+
+
 class ShmChannel:
-    """Sender side of the shm transport: two segments shared by every shm receiver."""
+    """Sender side of the shm transport: one set of segments shared by every shm receiver of
+    this process (each fill is read by all of them), kept between updates when allowed."""
 
     kind = "shm"
 
     def __init__(self, links: list, config: object, update_id: str) -> None:
         self.links = links
-        self.names: list[str] = []
+        self.keep = bool(getattr(config, "keep_buffers", True))
+        self.segs: Segments | None = None
+        self.count = 0
         self.buffers: list[torch.Tensor] = []
         self._start = psutil.Process().create_time()
 
-    def allocate(self, size: int, num_buffers: int) -> None:
-        token = secrets.token_hex(8)
-        for i in range(num_buffers):
-            name = new_name(i, token)
-            self.buffers.append(create(name, size))
-            self.names.append(name)
+    @property
+    def names(self) -> list[str]:
+        return self.segs.names[: self.count] if self.segs is not None else []
+
+    def allocate(self, size: int, num_buffers: int, capacity: int | None = None) -> None:
+        self.segs, _ = _checkout(size, num_buffers, capacity or size)
+        self.count = num_buffers
+        self.buffers = self.segs.buffers[:num_buffers]
+        self._size = size
+        self._capacity = capacity or size
+
+    def renew(self) -> None:
+        """Fresh, named segments: some receiver does not hold the kept ones."""
+        old, self.segs = self.segs, None
+        if old is not None:
+            _checkin(old, keep=False)
+        self.segs = Segments(self._size, self.count)
+        self.buffers = self.segs.buffers[: self.count]
 
     def begin(self, link: object, rank: int) -> tuple[list[dict], dict]:
-        buffers = [{"name": n, "size": b.numel()} for n, b in zip(self.names, self.buffers)]
+        segs = self.segs
+        assert segs is not None
+        buffers = []
+        for i in range(self.count):
+            desc = {"size": segs.size, "pool": segs.token, "index": i}
+            if segs.named:
+                desc["name"] = segs.names[i]
+            buffers.append(desc)
         return buffers, {"sender_pid": os.getpid(), "sender_start": self._start}
 
     async def connect(self) -> None:
@@ -160,9 +261,10 @@ class ShmChannel:
     def after_begin(self, replies: list[dict]) -> None:
         # Every receiver has mapped the segments: drop the names now unless one must reopen
         # them by name (descriptor engines), so no later crash can leave them behind.
-        if not any(r.get("keep_names") for r in replies):
-            for name in self.names:
-                unlink(name)
+        if any(r.get("keep_names") for r in replies):
+            self.keep = False  # such receivers need names every time: nothing to gain
+        elif self.segs is not None:
+            self.segs.unlink_names()
 
     def ready(self, slot: int) -> None:
         return None
@@ -171,6 +273,7 @@ class ShmChannel:
         return None
 
     def close(self) -> None:
-        for name in self.names:
-            unlink(name)
-        self.buffers.clear()
+        segs, self.segs = self.segs, None
+        if segs is not None:
+            _checkin(segs, keep=self.keep)
+        self.buffers = []

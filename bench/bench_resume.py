@@ -1,0 +1,456 @@
+"""Partial rollouts: useful tokens/s of a steady request stream while weights update every k s.
+
+Two strategies, measured on the same fleet with the same workload (the same prompts and
+lengths, from a seeded generator):
+
+- ``resume`` (rollfleet's default): at an update, running requests are interrupted, keep
+  their partial tokens, and continue under the new weights from where they were.
+- ``restart`` (what RL frameworks did before partial rollouts): requests ask for hard abort
+  (``resume=False``), so an update ends them with finish_reason 'abort'; the client then
+  submits the same prompt again from scratch, under a new request id. The partial tokens
+  are thrown away.
+
+A steady stream is ``--inflight`` lanes, each submitting one request after another for
+``--duration`` seconds; a request's max_tokens is drawn around ``--max-tokens`` (``--spread``),
+so lanes do not fall into step. Every ``--every`` seconds the bench calls
+``update_weights`` with the same weights under a new version. Measured per strategy:
+
+- useful tokens/s: tokens of requests that completed (length or stop) in the window, over
+  the window's wall time;
+- wasted tokens: tokens the engines generated (their ``num_tokens`` stats) that reached no
+  completed request, less the tokens of requests still running when the window closed (the
+  bench aborts those and counts them apart). Under resume this should be 0; under restart
+  it is what the aborts threw away. The client's own count of discarded partial outputs is
+  reported next to it (``*_client``); the two agree unless tokens were lost on the way;
+- update pause: time from calling ``update_weights(v)`` until the first token generated
+  under version v reaches a client (every request streams, chunks carry their version);
+  and how long the ``update_weights`` call itself took (interrupt, drain, send).
+
+The default engine is ``torch`` (the tiny random Llama, real forward passes on the CPU);
+``--engine echo`` paces tokens with ``--echo-tokens-per-s`` instead.
+
+    python bench/bench_resume.py --quick --json bench/out/resume.json   # < 1 min on 2 cores
+    python bench/bench_resume.py --json bench/out/resume.json            # ~4-5 min
+
+Phases run in the order resume, restart, restart, resume, ... (``--rounds`` pairs), so a
+drift in the machine's load hits both strategies alike; the numbers add up over rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from common import bench_parser, machine_info, png_path, print_table, write_json
+
+from rollfleet.actors import FleetConfig, StreamChunk, Supervisor
+from rollfleet.transport.messages import SamplingParams
+
+STRATEGIES = ("resume", "restart")
+BIN_S = 0.5  # width of the tokens/s bins in the plot
+
+
+@dataclass(kw_only=True, slots=True)
+class Phase:
+    """What one strategy did in one measurement window."""
+
+    strategy: str
+    ramp_s: float = 0.0
+    """Lanes ran this long before the measurement window opened (no update in it)."""
+    wall_s: float = 0.0
+    """From the lanes' start to the window's end."""
+    useful_tokens: int = 0
+    """Tokens of every request completed, ramp included."""
+    wasted_client: int = 0
+    """Partial tokens of requests ended by an update (restart only), as the client saw them."""
+    tail_tokens: int = 0
+    """Tokens of requests still running when the window closed (aborted by the bench)."""
+    engine_tokens: int = 0
+    """Tokens the engines generated from the lanes' start to the end."""
+    engine_tokens_window: int = 0
+    """The same, within the measurement window only."""
+    engine_prefills: int = 0
+    num_completed: int = 0
+    num_restarts: int = 0
+    num_preemptions: int = 0
+    pauses_ms: list[float] = field(default_factory=list)
+    update_call_ms: list[float] = field(default_factory=list)
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    """(seconds since the window opened, tokens) of every streamed chunk."""
+    completions: list[tuple[float, int]] = field(default_factory=list)
+    updates: list[float] = field(default_factory=list)
+    """Seconds since the window opened of each update_weights call."""
+
+    @property
+    def window_s(self) -> float:
+        return self.wall_s - self.ramp_s
+
+    @property
+    def useful_window(self) -> int:
+        """Tokens of requests completed within the window (whenever they started)."""
+        return sum(n for t, n in self.completions if self.ramp_s <= t <= self.wall_s)
+
+    @property
+    def wasted_tokens(self) -> int:
+        return self.engine_tokens - self.useful_tokens - self.tail_tokens
+
+
+def workload(lane: int, seed: int, prompt_len: int, max_tokens: int, spread: float, vocab: int):
+    """An endless, reproducible sequence of (prompt, max_tokens) for one lane."""
+    rng = random.Random(seed * 100_003 + lane)
+    low = max(1, round(max_tokens * (1 - spread)))
+    high = max(low, round(max_tokens * (1 + spread)))
+    while True:
+        # Ids from 3 up: 0-2 are pad, bos and eos in the tiny model.
+        yield [rng.randrange(3, vocab) for _ in range(prompt_len)], rng.randint(low, high)
+
+
+async def engine_counts(sup: Supervisor) -> tuple[int, int]:
+    """(tokens generated, prefills run) summed over the fleet's engines."""
+    stats = await sup.stats()
+    tokens = prefills = 0
+    for worker in stats["workers"]:
+        engine = worker.get("engine_stats") or {}
+        tokens += int(engine.get("num_tokens", 0))
+        prefills += int(engine.get("num_prefills", 0))
+    return tokens, prefills
+
+
+class Bench:
+    def __init__(self, sup: Supervisor, args: Any, weights: list[tuple[str, Any]], vocab: int):
+        self.sup = sup
+        self.client = sup.client()
+        self.args = args
+        self.weights = weights
+        self.vocab = vocab
+        self.version = 0
+
+    async def update(self) -> float:
+        """One update_weights call with the same weights under the next version; returns ms."""
+        self.version += 1
+        t = time.perf_counter()
+        await self.client.update_weights(self.weights, self.version)
+        return (time.perf_counter() - t) * 1e3
+
+    async def warm_up(self) -> None:
+        """Run every path once (prefill, decode, weights) so the first phase is not the slow one."""
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        jobs = workload(10_000, self.args.seed, self.args.prompt_len, 8, 0.0, self.vocab)
+        await asyncio.gather(*(self.client.generate(f"warm-{i}", next(jobs)[0], params)
+                               for i in range(self.args.inflight)))
+        await self.update()
+
+    async def phase(self, strategy: str, index: int) -> Phase:
+        """Run the lanes for ramp + duration seconds under one strategy, updating every k s.
+
+        The ramp (one update interval, no update in it) lets the lanes reach a steady state
+        before the window opens, so a cold start does not count against either strategy.
+        """
+        args = self.args
+        out = Phase(strategy=strategy, ramp_s=args.every)
+        total_s = args.every + args.duration
+        resume = strategy == "resume"
+        stop = asyncio.Event()
+        running: dict[int, str] = {}  # lane -> request id in flight
+        ended_by_us: set[str] = set()
+        first_chunk: dict[int, float] = {}  # weight version -> time its first token arrived
+        tokens0, prefills0 = await engine_counts(self.sup)
+        t0 = time.perf_counter()
+
+        async def lane(i: int) -> None:
+            jobs = workload(i, args.seed, args.prompt_len, args.max_tokens, args.spread, self.vocab)
+            job = 0
+            while not stop.is_set():
+                prompt, max_tokens = next(jobs)
+                params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=job * 1000 + i,
+                                        ignore_eos=True)
+                job += 1
+                attempt = 0
+                while True:
+                    rid = f"{strategy}{index}-{i}-{job}-{attempt}"
+                    running[i] = rid
+                    result = None
+                    async for item in self.client.stream(rid, prompt, params, resume=resume):
+                        if isinstance(item, StreamChunk):
+                            now = time.perf_counter()
+                            out.chunks.append((now - t0, len(item.token_ids)))
+                            first_chunk.setdefault(item.weight_version, now)
+                        else:
+                            result = item
+                    del running[i]
+                    if result is None:
+                        raise RuntimeError(f"request {rid} ended without a result")
+                    n = len(result.token_ids)
+                    if rid in ended_by_us:
+                        out.tail_tokens += n
+                        return
+                    if not result.aborted:
+                        out.useful_tokens += n
+                        out.num_completed += 1
+                        out.num_preemptions += result.num_preemptions
+                        out.completions.append((time.perf_counter() - t0, n))
+                        break
+                    # Ended by an update: the restart strategy starts the prompt over.
+                    out.wasted_client += n
+                    out.num_restarts += 1
+                    attempt += 1
+                    if stop.is_set():
+                        return
+
+        async def updater() -> None:
+            calls: list[tuple[int, float]] = []
+            j = 1
+            while j * args.every < total_s - 1e-9:
+                delay = t0 + j * args.every - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                t = time.perf_counter()
+                out.updates.append(t - t0)
+                out.update_call_ms.append(await self.update())
+                calls.append((self.version, t))
+                j += 1
+            # The last update's first token may still be on its way when the window closes.
+            deadline = time.perf_counter() + max(1.0, args.every)
+            while any(v not in first_chunk for v, _ in calls) and time.perf_counter() < deadline:
+                await asyncio.sleep(0.005)
+            out.pauses_ms.extend((first_chunk[v] - t) * 1e3 for v, t in calls if v in first_chunk)
+
+        async def window_open() -> tuple[int, int]:
+            await asyncio.sleep(max(0.0, t0 + out.ramp_s - time.perf_counter()))
+            return await engine_counts(self.sup)
+
+        lanes = [asyncio.create_task(lane(i)) for i in range(args.inflight)]
+        updates = asyncio.create_task(updater())
+        opened = asyncio.create_task(window_open())
+        await asyncio.sleep(max(0.0, t0 + total_s - time.perf_counter()))
+        tokens_open, _ = await opened
+        out.wall_s = time.perf_counter() - t0
+        tokens_close, _ = await engine_counts(self.sup)
+        stop.set()
+        for rid in list(running.values()):
+            ended_by_us.add(rid)
+            await self.client.abort(rid)
+        await asyncio.gather(*lanes)
+        await updates  # its last pause may still have been waiting for a token
+        tokens1, prefills1 = await engine_counts(self.sup)
+        out.engine_tokens, out.engine_prefills = tokens1 - tokens0, prefills1 - prefills0
+        out.engine_tokens_window = tokens_close - tokens_open
+        return out
+
+
+def fleet_config(args: Any) -> tuple[FleetConfig, list[tuple[str, Any]], int]:
+    """The fleet, the weights every update sends, and the vocabulary size prompts draw from."""
+    import torch
+
+    # Frequent updates interrupt a long request many times; that is the point, not a failure.
+    common = dict(num_workers=args.workers, frontend_addr=None, max_resume_attempts=1_000_000)
+    if args.engine == "torch":
+        from rollfleet.engines.tiny import TINY_LLAMA, tiny_llama_model
+
+        model = tiny_llama_model(args.seed)
+        weights = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
+        options = {"seed": args.seed, "max_batch_size": max(args.inflight, 1)}
+        return FleetConfig(engine="torch", engine_options=options, **common), weights, TINY_LLAMA["vocab_size"]
+    options = {"tokens_per_s": args.echo_tokens_per_s}
+    return FleetConfig(engine="echo", engine_options=options, **common), [("offset", torch.tensor([0]))], 32000
+
+
+async def measure(args: Any) -> tuple[list[Phase], float]:
+    config, weights, vocab = fleet_config(args)
+    t = time.perf_counter()
+    async with Supervisor(config) as sup:
+        start_s = time.perf_counter() - t
+        bench = Bench(sup, args, weights, vocab)
+        await bench.warm_up()
+        order = []
+        for r in range(args.rounds):
+            order += list(STRATEGIES) if r % 2 == 0 else list(reversed(STRATEGIES))
+        phases = []
+        for index, strategy in enumerate(order):
+            phases.append(await bench.phase(strategy, index))
+            p = phases[-1]
+            print(f"  {strategy:8s} window {index + 1}/{len(order)}: {p.useful_window / p.window_s:,.0f} useful "
+                  f"tokens/s, {p.engine_tokens_window / p.window_s:,.0f} generated", flush=True)
+    return phases, start_s
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "quick": args.quick, "engine": args.engine, "workers": args.workers, "inflight": args.inflight,
+        "max_tokens": args.max_tokens, "spread": args.spread, "prompt_len": args.prompt_len,
+        "duration_s": args.duration, "update_every_s": args.every, "rounds": args.rounds,
+    }
+    for s in STRATEGIES:
+        ps = [p for p in phases if p.strategy == s]
+        window = sum(p.window_s for p in ps)
+        wasted = sum(p.wasted_tokens for p in ps)
+        engine = sum(p.engine_tokens for p in ps)
+        num_updates = sum(len(p.updates) for p in ps)
+        pauses = [x for p in ps for x in p.pauses_ms]
+        calls = [x for p in ps for x in p.update_call_ms]
+        m[f"{s}_tps"] = sum(p.useful_window for p in ps) / window
+        m[f"generated_tps_{s}"] = sum(p.engine_tokens_window for p in ps) / window
+        m[f"useful_tokens_{s}"] = sum(p.useful_tokens for p in ps)
+        m[f"generated_tokens_{s}"] = engine
+        m[f"wasted_tokens_{s}"] = wasted
+        m[f"wasted_tokens_{s}_client"] = sum(p.wasted_client for p in ps)
+        m[f"wasted_per_update_{s}"] = wasted / num_updates if num_updates else 0.0
+        m[f"wasted_fraction_{s}"] = wasted / max(1, engine)
+        m[f"tail_tokens_{s}"] = sum(p.tail_tokens for p in ps)
+        m[f"completed_{s}"] = sum(p.num_completed for p in ps)
+        m[f"restarts_{s}"] = sum(p.num_restarts for p in ps)
+        m[f"preemptions_{s}"] = sum(p.num_preemptions for p in ps)
+        m[f"prefills_{s}"] = sum(p.engine_prefills for p in ps)
+        m[f"updates_{s}"] = num_updates
+        m[f"pauses_measured_{s}"] = len(pauses)
+        m[f"update_pause_ms_{s}"] = median(pauses)
+        m[f"update_pause_max_ms_{s}"] = max(pauses) if pauses else None
+        m[f"update_call_ms_{s}"] = median(calls)
+        m[f"window_s_{s}"] = window
+    m["update_pause_ms"] = m["update_pause_ms_resume"]  # the library's default path
+    m["resume_vs_restart_tps"] = m["resume_tps"] / m["restart_tps"] if m["restart_tps"] else None
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def report(m: dict[str, Any]) -> None:
+    rows = [(s, m[f"{s}_tps"], m[f"generated_tps_{s}"], m[f"completed_{s}"], m[f"wasted_tokens_{s}"],
+             m[f"wasted_tokens_{s}_client"], m[f"wasted_per_update_{s}"], m[f"restarts_{s}"],
+             m[f"preemptions_{s}"], m.get(f"update_pause_ms_{s}"), m.get(f"update_pause_max_ms_{s}"),
+             m.get(f"update_call_ms_{s}"))
+            for s in STRATEGIES]
+    print()
+    print_table(["strategy", "useful tok/s", "generated tok/s", "completed", "wasted tok", "wasted (client)",
+                 "wasted/update", "restarts", "resumes", "pause p50 ms", "pause max ms", "update call p50 ms"],
+                rows,
+                title=f"{m['inflight']} requests in flight on {m['workers']} {m['engine']} worker(s), max_tokens "
+                      f"{m['max_tokens']}±{m['spread']:.0%}, update every {m['update_every_s']} s, "
+                      f"{m['rounds']}x{m['duration_s']} s per strategy; {m['machine_cores']} cores, "
+                      f"load {m['machine_load_1m']}{' (quick)' if m['quick'] else ''}")
+    ratio = m.get("resume_vs_restart_tps")
+    print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio else "\nrestart completed nothing")
+    print(f"pause = update_weights call to the first token of the new version; fleet start {m['start_s']:.1f} s, "
+          f"{m['elapsed_s']:.0f} s in all")
+
+
+def plot(path: str, phases: list[Phase], every: float) -> bool:
+    """Tokens/s over time with the update marks, and cumulative useful tokens, per strategy
+    (the first window of each). Returns False when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return False
+    matplotlib.use("Agg")
+    import os
+
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = {"resume": "tab:blue", "restart": "tab:red"}
+    for s in STRATEGIES:
+        p = next(p for p in phases if p.strategy == s)
+        bins = [0] * (int(p.wall_s / BIN_S) + 1)
+        for t, n in p.chunks:
+            if t < p.wall_s:
+                bins[int(t / BIN_S)] += n
+        left.plot([(i + 0.5) * BIN_S for i in range(len(bins))], [b / BIN_S for b in bins],
+                  color=colors[s], label=f"{s}: generated")
+        done = sorted(p.completions)
+        total, xs, ys = 0, [0.0], [0]
+        for t, n in done:
+            total += n
+            xs.append(t)
+            ys.append(total)
+        right.step(xs, ys, where="post", color=colors[s], label=s)
+        for u in p.updates:
+            left.axvline(u, color=colors[s], linestyle=":", alpha=0.6)
+    ramp = phases[0].ramp_s
+    for ax in (left, right):
+        ax.axvspan(0, ramp, color="0.9", zorder=0)  # the ramp: not in the measured window
+    left.set_xlabel("seconds")
+    left.set_ylabel("tokens / s reaching clients")
+    left.set_title(f"generation rate; dotted: update_weights every {every:g} s; grey: ramp")
+    left.legend()
+    left.grid(True, alpha=0.3)
+    right.set_xlabel("seconds")
+    right.set_ylabel("tokens of completed requests")
+    right.set_title("useful tokens, cumulative")
+    right.legend()
+    right.grid(True, alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # plain asyncio works too, only slower
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--engine", choices=("torch", "echo"), default="torch")
+    parser.add_argument("--workers", type=int, default=1, help="Engine worker processes.")
+    parser.add_argument("--inflight", type=int, default=32, help="Requests kept in flight (lanes).")
+    parser.add_argument("--max-tokens", type=int, help="Mean max_tokens of a request (default: per engine).")
+    parser.add_argument("--spread", type=float, default=0.5,
+                        help="max_tokens is drawn uniformly from mean*(1 +- spread), so lanes stay out of step.")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--duration", type=float,
+                        help="Seconds of each measurement window (after a ramp of one update interval).")
+    parser.add_argument("--every", type=float, help="Seconds between weight updates.")
+    parser.add_argument("--rounds", type=int, help="Windows per strategy, in the order A B B A ...")
+    parser.add_argument("--echo-tokens-per-s", type=float, default=100.0,
+                        help="Per-request pace of the echo engine.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.max_tokens is None:
+        args.max_tokens = 256 if args.engine == "torch" else 128
+    if args.duration is None:
+        args.duration = 6.0 if args.quick else 30.0
+    if args.every is None:
+        args.every = 2.0 if args.quick else 3.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
+    if min(args.workers, args.inflight, args.max_tokens, args.prompt_len, args.rounds) < 1:
+        parser.error("--workers, --inflight, --max-tokens, --prompt-len and --rounds must be >= 1")
+    if not 0 <= args.spread < 1:
+        parser.error("--spread must be in [0, 1)")
+    if args.every <= 0 or args.duration < args.every:
+        parser.error("--every must be > 0 and at most --duration")
+    logging.basicConfig(level=logging.WARNING)
+
+    t0 = time.perf_counter()
+    machine = machine_info()  # before the run: the load average is other work, not ours
+    phases, start_s = run_loop(measure(args))
+    m = metrics(args, phases)
+    m["start_s"] = start_s
+    m["elapsed_s"] = time.perf_counter() - t0
+    m.update(machine)
+    report(m)
+    if args.json:
+        write_json(args.json, m)
+        print(f"wrote {args.json}")
+    png = png_path(args)
+    if png and plot(png, phases, args.every):
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

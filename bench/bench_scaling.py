@@ -1,0 +1,391 @@
+"""Scaling of the echo fleet: requests/s and p99 latency against the number of workers, weight
+transfer GB/s against the number of receiving workers, and where the CPU time goes.
+
+For each fleet size (1, 2, 4, 8, 16 workers; ``--quick``: 1, 2, 4, 8 with shorter runs) one
+Supervisor with echo workers (no model: every microsecond is rollfleet's) takes:
+
+- a flood of ``generate(max_tokens=1)`` calls with ``--window`` in flight: requests/s, and the
+  p50/p99 latency of those calls under that load;
+- calls one at a time: the unloaded p50/p99 (routing among more workers must not cost more).
+
+During each flood the CPU time of the supervisor process (with the in-process client that
+drives it, as in a training job), of its event-loop thread alone, of the worker processes and
+of the whole machine is read with psutil. The event loop is one thread: when it is busy close
+to 100% of a core, the supervisor is the bottleneck; when every core of the machine is busy and
+the loop is not, the machine is (more workers only share the same cores).
+
+Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
+echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
+the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off so that the
+supervisor's CPU copy for restarted workers is not timed. Best of ``--reps`` after a warm-up.
+
+    python bench/bench_scaling.py --quick --json bench/out/scaling.json   # ~1 min on 2 cores
+    python bench/bench_scaling.py --json bench/out/scaling.json           # a few minutes
+
+Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_{n}w``,
+``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
+``supervisor_loop_cpu_{n}w`` (its event-loop thread, 1.0 = one core saturated),
+``workers_cpu_{n}w``, ``machine_busy_{n}w`` (cores busy machine-wide),
+``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``;
+``gbps_{k}w`` (model bytes per second of update), ``update_s_{k}w``,
+``weights_supervisor_cpu_{k}w``, ``memcpy_gbps`` (one copy of the same bytes, for scale),
+``rps_scaling_max`` (rps at the largest fleet / rps with one worker), ``gbps_scaling_max``,
+``bottleneck`` (at the largest fleet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+from common import bench_parser, machine_info, png_path, print_table, summarize, write_json
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.transport.messages import SamplingParams
+
+MB = 1 << 20
+PROMPT = [1, 2]
+PARAMS = SamplingParams(max_tokens=1)
+LOOP_SATURATED = 0.9  # of one core: the event loop has no time left to give
+MACHINE_SATURATED = 0.9  # of all cores
+ROUNDS = 3  # throughput: the median of this many floods per fleet size, taken in turns
+BLOCK = 100  # unloaded latency: calls per fleet size per turn
+
+
+class CpuMeter:
+    """CPU seconds of the supervisor process, of its event-loop thread, of the workers and of
+    the whole machine between ``start()`` and ``stop()``."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.me = psutil.Process()
+        self.loop_tid = threading.get_native_id()  # called from the thread running the loop
+        self.workers = []
+        for h in sup.workers.values():
+            try:
+                self.workers.append(psutil.Process(h.pid))
+            except psutil.Error:  # a worker that died is simply not counted
+                pass
+
+    def _read(self) -> tuple[float, ...]:
+        t = self.me.cpu_times()
+        loop = next((th.user_time + th.system_time for th in self.me.threads() if th.id == self.loop_tid), 0.0)
+        workers = 0.0
+        for p in self.workers:
+            try:
+                w = p.cpu_times()
+                workers += w.user + w.system
+            except psutil.Error:
+                pass
+        m = psutil.cpu_times()
+        idle = m.idle + getattr(m, "iowait", 0.0)
+        return time.perf_counter(), t.user + t.system, loop, workers, sum(m) - idle
+
+    def start(self) -> None:
+        self.t0 = self._read()
+
+    def stop(self) -> dict[str, float]:
+        """Seconds of each between start and stop: wall, supervisor, loop, workers, machine."""
+        t1 = self._read()
+        return dict(zip(("wall", "supervisor", "loop", "workers", "machine"),
+                        (max(b - a, 0.0) for a, b in zip(self.t0, t1))))
+
+
+def cores_used(samples: list[dict[str, float]]) -> dict[str, float]:
+    """CPU seconds summed over samples per wall second: cores used, 1.0 = one core busy."""
+    wall = max(sum(s["wall"] for s in samples), 1e-9)
+    return {k: sum(s[k] for s in samples) / wall for k in ("supervisor", "loop", "workers", "machine")}
+
+
+def bottleneck(cpu: dict[str, float], cores: int) -> str:
+    """Where the time went, from CPU use alone (no guess from throughput)."""
+    if cpu["loop"] >= LOOP_SATURATED:
+        return "supervisor event loop"
+    if cpu["supervisor"] + cpu["workers"] >= MACHINE_SATURATED * cores:
+        return "machine cores (rollfleet)"
+    if cpu["machine"] >= MACHINE_SATURATED * cores:
+        return "machine cores (other work)"
+    return "none saturated"
+
+
+async def flood(client, n: int, window: int, tag: str) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    """n calls with ``window`` in flight; returns (requests/s, latency of each call in us)."""
+    left = n
+    lat: list[float] = []
+    ids = itertools.count()
+
+    async def lane() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            t = time.perf_counter_ns()
+            await client.generate(f"{tag}-{next(ids)}", PROMPT, PARAMS)
+            lat.append((time.perf_counter_ns() - t) / 1e3)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(min(window, n))))
+    return n / (time.perf_counter() - t0), lat
+
+
+async def fleets_in_turns(sizes: dict, cores: int) -> dict:
+    """Every fleet size started at once (an idle echo worker is ~30 MB and a heartbeat), then
+    measured in turns, round after round, so that other work on a shared machine hits every
+    size alike instead of whichever ran at the wrong moment."""
+    out = {}
+    async with contextlib.AsyncExitStack() as stack:
+        sups = {}
+        for n in sizes["workers"]:
+            config = FleetConfig(engine="echo", num_workers=n, engine_options={"tokens_per_s": 0},
+                                 frontend_addr=None, start_timeout_s=300)
+            t0 = time.perf_counter()
+            sups[n] = await stack.enter_async_context(Supervisor(config))
+            out[n] = {"start_s": time.perf_counter() - t0, "seq": [], "lat": [], "rps": [], "cpu": []}
+        clients = {n: sup.client() for n, sup in sups.items()}
+        for n, client in clients.items():
+            await flood(client, sizes["warmup"], sizes["window"], f"warm{n}")
+        for block in range(sizes["seq"] // BLOCK):
+            for n, client in clients.items():
+                for i in range(BLOCK):
+                    t = time.perf_counter_ns()
+                    await client.generate(f"s{n}-{block}-{i}", PROMPT, PARAMS)
+                    out[n]["seq"].append((time.perf_counter_ns() - t) / 1e3)
+        for r in range(ROUNDS):
+            for n, client in clients.items():
+                meter = CpuMeter(sups[n])
+                meter.start()
+                rps, lat = await flood(client, sizes["tput"] // ROUNDS, sizes["window"], f"f{n}-{r}")
+                out[n]["cpu"].append(meter.stop())
+                out[n]["rps"].append(rps)
+                out[n]["lat"] += lat
+    for n, f in out.items():
+        f["num_calls"] = len(f["lat"])
+        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
+        f["cpu"] = cores_used(f["cpu"])
+        f["rps"] = statistics.median(f["rps"])
+        f["lat"], f["seq"] = summarize(f["lat"]), summarize(f["seq"])
+        f["bottleneck"] = bottleneck(f["cpu"], cores)
+        print(f"{n:>3} workers: {f['rps']:,.0f} req/s, p99 {f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} "
+              f"cores, workers {f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}",
+              flush=True)
+    return out
+
+
+def make_weights(total: int) -> list[tuple[str, torch.Tensor]]:
+    size = min(32 * MB, max(MB, total // 8))
+    return [(f"layer.{i}.weight", torch.full((size // 2,), float(i), dtype=torch.bfloat16))
+            for i in range(max(1, total // size))]
+
+
+async def one_update_fleet(k: int, weights: list, bucket: int, reps: int) -> dict:
+    config = FleetConfig(engine="echo", num_workers=k, frontend_addr=None, keep_last_weights=False,
+                         start_timeout_s=300)
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    async with Supervisor(config) as sup:
+        await sup.update_weights(weights, version=1, bucket_bytes=bucket)  # warm-up: buffers, mappings
+        best, cpu = 0.0, {}
+        for rep in range(reps):
+            meter = CpuMeter(sup)
+            meter.start()
+            t = time.perf_counter()
+            await sup.update_weights(weights, version=rep + 2, bucket_bytes=bucket)
+            seconds = time.perf_counter() - t
+            sample = cores_used([meter.stop()])
+            if nbytes / seconds / 1e9 > best:
+                best, cpu = nbytes / seconds / 1e9, sample
+    return {"gbps": best, "seconds": nbytes / best / 1e9, "cpu": cpu}
+
+
+def memcpy_gbps(weights: list, reps: int) -> float:
+    dst = [torch.empty_like(t) for _, t in weights]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    best = 0.0
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        for d, (_, w) in zip(dst, weights):
+            d.copy_(w)
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, float]:
+    fleets = await fleets_in_turns(sizes, cores)
+    weights = make_weights(sizes["weights_mb"] * MB)
+    updates = {}
+    for k in sizes["receivers"]:
+        updates[k] = await one_update_fleet(k, weights, sizes["bucket_mb"] * MB, sizes["reps"])
+        print(f"{k:>3} receivers: {updates[k]['gbps']:.2f} GB/s", flush=True)
+    return fleets, updates, memcpy_gbps(weights, sizes["reps"] + 2)
+
+
+def run_loop(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:  # the fleet runs on plain asyncio too, only slower
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def metrics(sizes: dict, fleets: dict, updates: dict, memcpy: float) -> dict:
+    m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
+               "bucket_mb": sizes["bucket_mb"], "memcpy_gbps": memcpy}
+    for n, f in fleets.items():
+        m[f"rps_{n}w"] = f["rps"]
+        m[f"p50_us_{n}w"], m[f"p99_us_{n}w"] = f["lat"]["p50"], f["lat"]["p99"]
+        m[f"seq_p50_us_{n}w"], m[f"seq_p99_us_{n}w"] = f["seq"]["p50"], f["seq"]["p99"]
+        m[f"start_s_{n}w"] = f["start_s"]
+        cpu = f["cpu"]
+        m[f"supervisor_cpu_{n}w"], m[f"supervisor_loop_cpu_{n}w"] = cpu["supervisor"], cpu["loop"]
+        m[f"workers_cpu_{n}w"], m[f"machine_busy_{n}w"] = cpu["workers"], cpu["machine"]
+        m[f"supervisor_cpu_share_{n}w"] = cpu["supervisor"] / max(cpu["supervisor"] + cpu["workers"], 1e-9)
+        m[f"bottleneck_{n}w"] = f["bottleneck"]
+        # CPU per request: unlike cores used, it does not depend on what else ran meanwhile.
+        m[f"supervisor_us_per_req_{n}w"] = f["cpu_s"]["supervisor"] / f["num_calls"] * 1e6
+        m[f"loop_us_per_req_{n}w"] = f["cpu_s"]["loop"] / f["num_calls"] * 1e6
+        m[f"workers_us_per_req_{n}w"] = f["cpu_s"]["workers"] / f["num_calls"] * 1e6
+        # What the event loop alone could sustain if it had a core to itself.
+        m[f"loop_ceiling_rps_{n}w"] = f["num_calls"] / max(f["cpu_s"]["loop"], 1e-9)
+    for k, u in updates.items():
+        m[f"gbps_{k}w"], m[f"update_s_{k}w"] = u["gbps"], u["seconds"]
+        m[f"weights_supervisor_cpu_{k}w"] = u["cpu"].get("supervisor", 0.0)
+        m[f"weights_workers_cpu_{k}w"] = u["cpu"].get("workers", 0.0)
+    top, low = max(fleets), min(fleets)
+    m["max_workers"] = top
+    m["rps_scaling_max"] = fleets[top]["rps"] / fleets[low]["rps"]
+    m["p99_scaling_max"] = fleets[top]["lat"]["p99"] / fleets[low]["lat"]["p99"]
+    m["bottleneck"] = fleets[top]["bottleneck"]
+    m["supervisor_loop_cpu_max"] = max(f["cpu"]["loop"] for f in fleets.values())
+    if updates:
+        m["max_receivers"] = max(updates)
+        m["gbps_scaling_max"] = updates[max(updates)]["gbps"] / updates[min(updates)]["gbps"]
+    return m
+
+
+def plot(path: str, fleets: dict, updates: dict, memcpy: float, cores: int) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot at {path}")
+        return False
+    matplotlib.use("Agg")  # no display: benches run on servers and in CI
+    import matplotlib.pyplot as plt
+
+    ns = sorted(fleets)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    ax = axes[0]
+    ax.plot(ns, [fleets[n]["rps"] for n in ns], marker="o")
+    ax.set_title("echo fleet throughput")
+    ax.set_ylabel("requests / s")
+    ax = axes[1]
+    ax.plot(ns, [fleets[n]["lat"]["p99"] / 1e3 for n in ns], marker="o", label="p99 under load")
+    ax.plot(ns, [fleets[n]["lat"]["p50"] / 1e3 for n in ns], marker=".", linestyle="--", label="p50 under load")
+    ax.plot(ns, [fleets[n]["seq"]["p99"] / 1e3 for n in ns], marker="s", label="p99 one at a time")
+    ax.set_yscale("log")
+    ax.set_title("latency")
+    ax.set_ylabel("ms (log)")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for key, label in (("loop", "supervisor event loop"), ("supervisor", "supervisor process"),
+                       ("workers", "all workers"), ("machine", "whole machine")):
+        ax.plot(ns, [fleets[n]["cpu"][key] for n in ns], marker="o", label=label)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(cores, color="black", linestyle="--", linewidth=1, label=f"{cores} cores")
+    ax.set_title("CPU during the flood")
+    ax.set_ylabel("cores used")
+    ax.legend(fontsize=8)
+    for ax in axes[:3]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("workers")
+        ax.grid(True, alpha=0.3)
+    ax = axes[3]
+    ks = sorted(updates)
+    ax.plot(ks, [updates[k]["gbps"] for k in ks], marker="o", label="update_weights")
+    ax.axhline(memcpy, color="grey", linestyle="--", label="memcpy")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("receiving workers")
+    ax.set_ylabel("GB/s (model bytes / update time)")
+    ax.set_title("weight transfer")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--workers", default=None, help="Fleet sizes, comma-separated (default 1,2,4,8,16).")
+    parser.add_argument("--receivers", default="1,2,4", help="Receiving workers for weight updates.")
+    parser.add_argument("--window", type=int, default=256, help="Requests in flight for throughput.")
+    parser.add_argument("--weights-mb", type=int, default=None, help="Bytes per weight update (MB).")
+    args = parser.parse_args(argv)
+    if args.quick:
+        sizes = {"workers": "1,2,4,8", "tput": 6000, "warmup": 500, "seq": 300, "weights_mb": 256,
+                 "bucket_mb": 64, "reps": 2}
+    else:
+        sizes = {"workers": "1,2,4,8,16", "tput": 40_000, "warmup": 2000, "seq": 2000, "weights_mb": 1024,
+                 "bucket_mb": 256, "reps": 3}
+    try:
+        sizes["workers"] = [int(x) for x in (args.workers or sizes["workers"]).split(",")]
+        sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
+    except ValueError:
+        parser.error("--workers and --receivers take comma-separated integers")
+    if min(sizes["workers"]) < 1 or (sizes["receivers"] and min(sizes["receivers"]) < 1) or args.window < 1:
+        parser.error("worker counts and --window must be >= 1")
+    if args.weights_mb is not None:
+        if args.weights_mb < 1:
+            parser.error("--weights-mb must be >= 1")
+        sizes["weights_mb"] = args.weights_mb
+    sizes["bucket_mb"] = min(sizes["bucket_mb"], sizes["weights_mb"])
+    sizes["window"] = args.window
+    logging.basicConfig(level=logging.WARNING)
+
+    machine = machine_info()  # before the run: the load average is other work, not ours
+    cores = machine["machine_cores"]
+    t0 = time.perf_counter()
+    fleets, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, updates, memcpy)
+    m["quick"] = args.quick
+    m["elapsed_s"] = time.perf_counter() - t0
+    m.update(machine)
+
+    print()
+    print_table(["workers", "req/s", "p50 us", "p99 us", "1-at-a-time p99 us", "loop cores", "sup. cores",
+                 "workers cores", "machine busy", "loop us/req", "workers us/req", "bottleneck"],
+                [(n, f["rps"], f["lat"]["p50"], f["lat"]["p99"], f["seq"]["p99"], f["cpu"]["loop"],
+                  f["cpu"]["supervisor"], f["cpu"]["workers"], f["cpu"]["machine"], m[f"loop_us_per_req_{n}w"],
+                  m[f"workers_us_per_req_{n}w"], f["bottleneck"])
+                 for n, f in sorted(fleets.items())],
+                title=f"echo fleet, generate(max_tokens=1), {args.window} in flight; {cores} cores, "
+                      f"{machine['machine_cpu']}, load {machine['machine_load_1m']}{' (quick)' if args.quick else ''}")
+    if updates:
+        print()
+        print_table(["receivers", "GB/s", "update s", "sup. process cores"],
+                    [(k, u["gbps"], u["seconds"], u["cpu"].get("supervisor")) for k, u in sorted(updates.items())],
+                    title=f"update_weights, {sizes['weights_mb']} MB bf16 in {sizes['bucket_mb']} MB buckets "
+                          f"(memcpy of the same bytes: {memcpy:.2f} GB/s)")
+    print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']}")
+    if args.json:
+        write_json(args.json, m)
+        print(f"wrote {args.json}")
+    png = png_path(args)
+    if png and plot(png, fleets, updates, memcpy, cores):
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""CurveZMQ: non-loopback binds need keys; only authorized client keys are served."""
+
+import os
+
+import pytest
+import zmq
+
+from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
+from rollfleet.cli import main as cli_main
+from rollfleet.errors import RequestTimeout
+from rollfleet.transport.auth import is_loopback_address, load_client_keys, make_keys
+from rollfleet.transport.messages import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def test_loopback_rule():
+    assert is_loopback_address("tcp://127.0.0.1:5")
+    assert is_loopback_address("tcp://[::1]:5")
+    assert is_loopback_address("ipc:///tmp/x")
+    assert not is_loopback_address("tcp://0.0.0.0:5")
+    assert not is_loopback_address("tcp://*:5")
+    assert not is_loopback_address("tcp://10.1.2.3:5")
+
+
+async def test_non_loopback_bind_without_keys_is_refused_with_instructions():
+    sup = Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr="tcp://0.0.0.0:0"))
+    with pytest.raises(ValueError, match="rollfleet keys"):
+        await sup.start()
+    assert not os.path.exists(sup.private_dir)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_curve_fleet_serves_authorized_clients_only(tmp_path):
+    assert cli_main(["keys", str(tmp_path / "keys")]) == 0
+    keys_dir = str(tmp_path / "keys")
+    stranger = make_keys(str(tmp_path / "other"))  # a key pair this fleet never authorized
+    del stranger
+    config = FleetConfig(engine="echo", num_workers=2, frontend_addr="tcp://0.0.0.0:0",
+                         worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir)
+    async with Supervisor(config) as sup:
+        port = sup.frontend_address.rsplit(":", 1)[1]
+        address = f"tcp://127.0.0.1:{port}"
+        # Workers connected over tcp with their own ephemeral keys.
+        assert len(sup.ready_workers()) == 2
+        async with RemoteClient(address, curve_keys=load_client_keys(keys_dir)) as ok:
+            result = await ok.generate("r", [1, 2], SamplingParams(max_tokens=3))
+            assert len(result.token_ids) == 3
+        async with RemoteClient(address, curve_keys=load_client_keys(str(tmp_path / "other")),
+                                call_timeout_s=1.0) as bad:
+            with pytest.raises(RequestTimeout):
+                await bad.stats()
+        async with RemoteClient(address, call_timeout_s=1.0) as plain:
+            with pytest.raises(RequestTimeout):
+                await plain.stats()

@@ -1,0 +1,113 @@
+"""CurveZMQ keys and the rule for non-loopback addresses.
+
+A fleet that binds anything but loopback must encrypt and authenticate: ``rollfleet keys
+DIR`` writes a server key pair, a client key pair and ``DIR/authorized/`` (public keys
+allowed to connect). The supervisor loads the server secret and the authorized keys; each
+worker it spawns gets an ephemeral key pair that is authorized for that fleet only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shutil
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+__all__ = ["is_loopback_address", "check_bind", "make_keys", "load_server_keys", "load_client_keys", "Authenticator"]
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback_address(addr: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host."""
+    scheme, _, rest = addr.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname or '*': may be reachable from elsewhere
+
+
+def check_bind(addr: str, keys_dir: str | None) -> None:
+    if not is_loopback_address(addr) and keys_dir is None:
+        raise ValueError(
+            f"refusing to bind {addr}: it is not a loopback address, so it needs CurveZMQ keys. "
+            "Create them with `rollfleet keys DIR` and pass curve_keys_dir=DIR (or --keys-dir DIR); "
+            "clients then connect with DIR/client.key_secret and DIR/server.key."
+        )
+
+
+def make_keys(directory: str) -> dict[str, str]:
+    """Write server and client key pairs and the authorized/ directory; returns the paths."""
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CurveZMQ support")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    server_pub, server_sec = zmq.auth.create_certificates(directory, "server")
+    client_pub, client_sec = zmq.auth.create_certificates(directory, "client")
+    authorized = os.path.join(directory, "authorized")
+    os.makedirs(authorized, mode=0o700, exist_ok=True)
+    shutil.copy(client_pub, os.path.join(authorized, "client.key"))
+    for path in (server_sec, client_sec):
+        os.chmod(path, 0o600)
+    return {"server_public": server_pub, "server_secret": server_sec, "client_public": client_pub,
+            "client_secret": client_sec, "authorized": authorized}
+
+
+def load_server_keys(directory: str) -> tuple[bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(os.path.join(directory, "server.key_secret"))
+    if secret is None:
+        raise ValueError(f"{directory}/server.key_secret holds no secret key")
+    return public, secret
+
+
+def load_client_keys(directory: str) -> tuple[bytes, bytes, bytes]:
+    """(client public, client secret, server public), as RemoteClient's curve_keys wants."""
+    public, secret = zmq.auth.load_certificate(os.path.join(directory, "client.key_secret"))
+    server_public, _ = zmq.auth.load_certificate(os.path.join(directory, "server.key"))
+    if secret is None:
+        raise ValueError(f"{directory}/client.key_secret holds no secret key")
+    return public, secret, server_public
+
+
+class Authenticator:
+    """ZAP handler admitting only authorized client keys (plus keys added at run time)."""
+
+    def __init__(self, ctx: zmq.Context, keys_dir: str):
+        self.allowed: set[bytes] = set()
+        authorized = os.path.join(keys_dir, "authorized")
+        if os.path.isdir(authorized):
+            self.allowed.update(zmq.auth.load_certificates(authorized).keys())
+        self._thread = ThreadAuthenticator(ctx, log=logger)
+        self._thread.start()
+        self._thread.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def allow(self, public_key: bytes) -> None:
+        self.allowed.add(public_key)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        # pyzmq hands over the Z85 form (as certificates hold it); accept raw 32 bytes too.
+        if len(key) == 32:
+            key = zmq.utils.z85.encode(key)
+        ok = key in self.allowed
+        if not ok:
+            logger.warning("refused a connection with an unknown CurveZMQ key")
+        return ok
+
+    def stop(self) -> None:
+        self._thread.stop()
+
+    def __repr__(self) -> str:  # pragma: no cover
+        return f"Authenticator({len(self.allowed)} keys)"
+
+
+def as_str_keys(keys: Any) -> list[str]:
+    return [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
