@@ -255,8 +255,6 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
         best_bucket = max(curves["shm"], key=curves["shm"].get)
         sup.weights.keep_last_weights = True
         curves["shm_keep_last"] = {best_bucket: max([await timed("shm", best_bucket) for _ in range(reps)])}
-        stats = await sup.stats() if hasattr(sup, "stats") else None
-        del stats
     return curves
 
 

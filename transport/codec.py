@@ -12,17 +12,18 @@ be read, the correlation id, so the caller can answer with an ``error`` message.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import typing
-from typing import Any, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Sequence
 
 import msgpack
 
 from .messages import (
-    CHECKS,
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
+    WIRE_TYPES,
     Error,
-    Generate,
     Message,
     SamplingParams,
 )
@@ -32,6 +33,7 @@ __all__ = ["DecodeError", "encode", "decode", "decode_header", "error_for", "DEF
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 _RESERVED = ("v", "type", "id")
+_MISSING: Any = object()
 
 
 class DecodeError(Exception):
@@ -43,36 +45,67 @@ class DecodeError(Exception):
         self.msg_id = msg_id
 
 
-# Per message class: [(field name, checker, required)], built once from the annotations.
-_SPECS: dict[type[Message], list[tuple[str, Any, bool]]] = {}
+class _Spec:
+    """What the codec needs of one message class, worked out once from its annotations."""
 
+    __slots__ = ("cls", "tag", "keys", "values", "nested", "fields")
 
-def _spec(cls: type[Message]) -> list[tuple[str, Any, bool]]:
-    spec = _SPECS.get(cls)
-    if spec is None:
-        spec = []
+    def __init__(self, cls: type[Message]):
+        hints: dict[str, Any] | None = None
+        names: list[str] = []
+        self.fields: list[tuple[str, frozenset[type], Any, bool]] = []
+        self.nested: list[str] = []  # SamplingParams fields, sent as their wire map
         for f in dataclasses.fields(cls):
             if f.name == "id":
                 continue
+            if isinstance(f.type, str):
+                annotation = f.type
+            else:
+                hints = hints or typing.get_type_hints(cls)
+                annotation = str(hints[f.name])
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            annotation = f.type if isinstance(f.type, str) else typing.get_type_hints(cls)[f.name]
-            spec.append((f.name, CHECKS[str(annotation)], required))
-        _SPECS[cls] = spec
+            types, contents = WIRE_TYPES[annotation]
+            self.fields.append((f.name, types, contents, required))
+            if annotation == "SamplingParams":
+                self.nested.append(f.name)
+            names.append(f.name)
+        self.cls = cls
+        self.tag = cls.TYPE.value
+        # Key order on the wire: v, type, id, then the fields in class order (golden vectors).
+        self.keys = ("v", "type", "id", *names)
+        self.values = attrgetter("id", *names) if names else (lambda msg: (msg.id,))
+
+
+_SPECS: dict[type[Message], _Spec] = {}
+
+
+def _spec(cls: type[Message]) -> _Spec:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = _Spec(cls)
     return spec
 
 
-def _packable(value: Any) -> Any:
-    if isinstance(value, SamplingParams):
-        return value.to_wire()
-    return value
+# Packers keep a buffer between calls; one per thread, as a Packer is not thread-safe.
+_local = threading.local()
+
+
+def _packer() -> Callable[[Any], bytes]:
+    pack = _local.__dict__.get("pack")
+    if pack is None:
+        pack = _local.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack
 
 
 def encode(msg: Message) -> bytes:
     """Encode a message to its header frame (the caller sends buffers as further frames)."""
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE.value, "id": msg.id}
-    for name, _, _ in _spec(type(msg)):
-        header[name] = _packable(getattr(msg, name))
-    return msgpack.packb(header, use_bin_type=True)
+    spec = _SPECS.get(type(msg)) or _spec(type(msg))
+    header = dict(zip(spec.keys, (PROTOCOL_VERSION, spec.tag, *spec.values(msg))))
+    for name in spec.nested:
+        value = header[name]
+        if isinstance(value, SamplingParams):
+            header[name] = value.to_wire()
+    return _packer()(header)
 
 
 def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict[str, Any]:
@@ -95,8 +128,11 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
     return header
 
 
-def decode(frames: Sequence[bytes | memoryview], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
-    """Decode ``(header, *buffers)`` into a message; extra buffers are checked by the caller."""
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
+    """Decode ``(header, *buffers)`` into a message; extra buffers are checked by the caller.
+
+    A frame is anything with the buffer protocol: bytes, memoryview, zmq.Frame.
+    """
     if not frames:
         raise DecodeError("bad_frame", "empty message")
     header = decode_header(frames[0], max_bytes)
@@ -105,24 +141,23 @@ def decode(frames: Sequence[bytes | memoryview], max_bytes: int = DEFAULT_MAX_HE
     cls = MESSAGE_CLASSES.get(type_tag) if type(type_tag) is str else None
     if cls is None:
         raise DecodeError("unknown_type", f"unknown message type {type_tag!r}", msg_id)
+    spec = _SPECS.get(cls) or _spec(cls)
     values: dict[str, Any] = {"id": msg_id}
-    for name, check, required in _spec(cls):
-        if name not in header:
+    for name, types, contents, required in spec.fields:
+        value = header.get(name, _MISSING)
+        if value is _MISSING:
             if required:
                 raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", msg_id)
             continue
-        value = header[name]
-        if not check(value):
+        if type(value) not in types or (contents is not None and not contents(value)):
             raise DecodeError(
                 "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", msg_id
             )
         values[name] = value
-    if cls is Generate and "sampling" in values:
-        try:
-            values["sampling"] = SamplingParams.from_wire(values["sampling"])
-        except (ValueError, TypeError) as exc:
-            raise DecodeError("bad_field", f"generate: {exc}", msg_id) from None
     try:
+        for name in spec.nested:
+            if name in values:
+                values[name] = SamplingParams.from_wire(values[name])
         return cls(**values)
     except (ValueError, TypeError) as exc:
         raise DecodeError("bad_field", f"{type_tag}: {exc}", msg_id) from None

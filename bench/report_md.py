@@ -1,0 +1,296 @@
+"""Render bench results as one Markdown page: machines, headline ratios, a table per script,
+plots, and where the bottleneck of the scaling run is. Used by bench/run_all.
+
+Every figure on the page comes from a script's JSON; nothing here is a number of its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import operator
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Row", "Spec", "Outcome", "write_report", "bottleneck_text", "copy_png"]
+
+OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+# Units by key suffix, longest first; ratios get an "x".
+UNITS = [("_us", "us"), ("_ms", "ms"), ("_gbps", "GB/s"), ("_rps", "req/s"), ("_tps", "tok/s"), ("_s", "s")]
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    label: str
+    """What the figure is, in words; ``{n}`` repeats the row for every fleet size in the JSON."""
+    key: str
+    """The metric; may contain ``{n}`` like the label."""
+    baseline: str | None = None
+    """The metric it is compared against, if any."""
+    against: str = ""
+    """The baseline, in words."""
+    ratio: str | None = None
+    """The script's own ratio key; else value / baseline."""
+    goal: tuple | None = None
+    """(op, threshold) on the ratio, or (op, threshold, 'value') on the value itself."""
+    headline: bool = False
+    """Quoted in the headline table (for a ``{n}`` row: its largest n)."""
+    gpu: bool = False
+    """Measured only on a machine with a GPU."""
+    missing: str = ""
+    """Why the figure can be absent, said in the report when it is."""
+
+    def __post_init__(self) -> None:
+        if self.goal is not None and (len(self.goal) not in (2, 3) or self.goal[0] not in OPS):
+            raise ValueError(f"goal must be (op, threshold[, 'value']) with op in {list(OPS)}, got {self.goal!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Spec:
+    title: str
+    about: str
+    rows: list[Row]
+
+
+@dataclass(kw_only=True, slots=True)
+class Outcome:
+    name: str
+    status: str
+    """'ok' or 'not run'."""
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    png: str | None = None
+    origin: str = ""
+    """'' for this run, else the folder the results were included from."""
+    seconds: float | None = None
+
+
+def fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if not isinstance(value, (int, float)):
+        return str(value)
+    unit = next((u for suffix, u in UNITS if re.search(rf"{suffix}(_\d+w|_\d+mb)?$", key)), "")
+    v = float(value)
+    if v == 0 or abs(v) >= 100:
+        text = f"{v:,.0f}"
+    else:
+        text = f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return f"{text} {unit}".strip()
+
+
+def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
+    """The row, or one per n found in the JSON for a ``{n}`` row; with each, whether it is the
+    headline one."""
+    if "{n}" not in row.key:
+        return [(row, row.headline)]
+    pattern = re.compile("^" + re.escape(row.key).replace(r"\{n\}", r"(\d+)") + "$")
+    ns = sorted(int(m.group(1)) for k in metrics if (m := pattern.match(k)))
+    return [(Row(label=row.label.format(n=n), key=row.key.format(n=n), baseline=row.baseline,
+                 against=row.against, ratio=row.ratio, goal=row.goal, gpu=row.gpu, missing=row.missing,
+                 headline=row.headline and n == ns[-1] and n != 1), row.headline and n == ns[-1] and n != 1)
+            for n in ns]
+
+
+def evaluate(row: Row, m: dict[str, Any]) -> dict[str, Any] | None:
+    """Value, baseline, ratio and goal of a row; None when the JSON lacks the figure."""
+    value = m.get(row.key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    base = m.get(row.baseline) if row.baseline else None
+    ratio = m.get(row.ratio) if row.ratio else None
+    if ratio is None and isinstance(base, (int, float)) and base:
+        ratio = value / base
+    if row.baseline and base is None:
+        return None  # a comparison without its baseline says nothing
+    met = None
+    if row.goal is not None:
+        op, threshold = row.goal[0], row.goal[1]
+        on = value if len(row.goal) == 3 else ratio
+        met = OPS[op](on, threshold) if on is not None else None
+    return {"value": value, "base": base, "ratio": ratio, "met": met}
+
+
+def goal_text(row: Row) -> str:
+    if row.goal is None:
+        return "-"
+    what = "" if len(row.goal) == 3 else "ratio "
+    return f"{what}{row.goal[0]} {row.goal[1]:g}"
+
+
+def machine_of(m: dict[str, Any], here: dict[str, Any], origin: str) -> tuple[str, ...]:
+    """The machine a result came from, as (cores, memory, cpu, gpu); this run's machine when
+    the JSON has no machine_* keys and was made here."""
+    if "machine_cores" in m:
+        src = m
+    elif not origin:
+        src = here
+    else:
+        return ("?", "?", "unknown (the JSON names no machine)", "?")
+    return (str(src.get("machine_cores", "?")), f"{src.get('machine_memory_gb', '?')} GB",
+            str(src.get("machine_cpu", "?")), str(src.get("machine_gpu", "none")))
+
+
+def copy_png(src: str, dst: str) -> None:
+    """Copy a plot, reduced to a 256-colour palette when Pillow is there (plots have few
+    colours; this makes the committed files several times smaller)."""
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+    try:
+        from PIL import Image
+
+        with Image.open(src) as img:
+            img.convert("RGB").quantize(colors=256).save(dst, optimize=True)
+    except Exception:  # no Pillow, or an odd PNG: the plain file is still fine
+        shutil.copyfile(src, dst)
+
+
+def bottleneck_text(m: dict[str, Any]) -> str:
+    """A paragraph on where the scaling run spent its CPU, from the bench_scaling keys."""
+    ns = sorted(int(k[4:-1]) for k in m if re.fullmatch(r"rps_\d+w", k))
+    if not ns or f"supervisor_loop_cpu_{ns[-1]}w" not in m:
+        return "The scaling run recorded no CPU figures."
+    top, cores = ns[-1], m.get("machine_cores", "?")
+    loop, sup = m[f"supervisor_loop_cpu_{top}w"], m[f"supervisor_cpu_{top}w"]
+    work, busy = m[f"workers_cpu_{top}w"], m[f"machine_busy_{top}w"]
+    loop_us = [m.get(f"loop_us_per_req_{n}w") for n in ns]
+    work_us = [m.get(f"workers_us_per_req_{n}w") for n in ns]
+    where = m.get(f"bottleneck_{top}w", "")
+    text = [
+        f"With {top} workers the fleet served {fmt('_rps', m[f'rps_{top}w'])}. The supervisor's event loop "
+        f"(one thread: the one part of the fleet that cannot spread over cores) was busy {loop:.2f} of a core, "
+        f"the whole supervisor process (loop, ZeroMQ I/O thread and the in-process client driving the load) "
+        f"{sup:.2f} cores, the {top} worker processes {work:.2f} cores, and the machine {busy:.2f} of its "
+        f"{cores} cores."]
+    if all(x is not None for x in loop_us + work_us):
+        text.append(
+            f"Per request, the loop spent {loop_us[0]:.0f} us of CPU with 1 worker and {loop_us[-1]:.0f} us with "
+            f"{top} (so on a core of its own it could carry about {fmt('_rps', m[f'loop_ceiling_rps_{top}w'])}); "
+            f"the workers together spent {work_us[0]:.0f} us and {work_us[-1]:.0f} us.")
+    if where == "supervisor event loop":
+        text.append(f"**The supervisor is the bottleneck** at {top} workers: its loop is saturated, so more "
+                    "workers cannot add throughput.")
+    elif where.startswith("machine cores"):
+        others = max(busy - sup - work, 0.0)
+        text.append(
+            f"**The bottleneck is the machine's {cores} cores, not the supervisor**: every core was busy "
+            f"({others:.2f} cores of it other work on this shared machine) while the loop still had "
+            f"{max(1 - loop, 0):.0%} of a core to spare. More workers on the same cores only share them; "
+            "with more cores, throughput rises until the loop's ceiling above.")
+    else:
+        text.append("Neither the loop nor the machine was saturated: throughput was bounded by round trips "
+                    "(requests in flight / latency).")
+    ks = sorted(int(k[5:-1]) for k in m if re.fullmatch(r"gbps_\d+w", k))
+    if len(ks) > 1:
+        curve = ", ".join(f"{m[f'gbps_{k}w']:.2f}" for k in ks)
+        text.append(f"Weight updates to {', '.join(map(str, ks))} receiving workers ran at {curve} GB/s (model "
+                    "bytes over update time): the trainer fills each bucket once and every receiver maps the "
+                    "same shared memory, so more receivers cost acknowledgements, not copies.")
+    return " ".join(text)
+
+
+def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -> tuple[list[str], list]:
+    """The lines of one script's section, and its headline rows."""
+    where = f" (results from `{o.origin}`)" if o.origin else ""
+    lines = [f"## {spec.title if spec else o.name}: `{o.name}`{where}", ""]
+    if spec:
+        lines += [spec.about, ""]
+    m = o.metrics
+    took = f", {o.seconds:.0f} s" if o.seconds is not None else ""
+    lines += [f"Machine {machine}; load average at start {m.get('machine_load_1m', '?')}"
+              f"{'; quick run' if m.get('quick') else ''}{took}.", ""]
+    heads = []
+    if spec:
+        lines += ["| figure | value | baseline | baseline value | ratio | goal | met |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for base_row in spec.rows:
+            for row, head in expand(base_row, m):
+                ev = evaluate(row, m)
+                if ev is None:
+                    why = row.missing or "not in this run's JSON"
+                    if row.gpu and "none" in machine.lower():
+                        why = "needs a GPU; this machine has none"
+                    lines.append(f"| {row.label} | not measured: {why} | {row.against or '-'} | - | - | "
+                                 f"{goal_text(row)} | - |")
+                    continue
+                met = "-" if ev["met"] is None else ("**yes**" if ev["met"] else "**no**")
+                ratio = "-" if ev["ratio"] is None else f"{ev['ratio']:.2f}x"
+                lines.append(f"| {row.label} | {fmt(row.key, ev['value'])} | {row.against or '-'} | "
+                             f"{fmt(row.baseline or '', ev['base'])} | {ratio} | {goal_text(row)} | {met} |")
+                if head:
+                    heads.append((o.name, machine, row, ev))
+    else:
+        lines += ["| metric | value |", "| --- | --- |"]
+        lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in sorted(m.items()) if not k.startswith("machine_")]
+    own = {k: v for k, v in m.items() if k.startswith("goal_") and isinstance(v, bool)}
+    if own:
+        lines += ["", "The script's own goal checks: " + ", ".join(
+            f"`{k}` {'yes' if v else '**no**'}" for k, v in sorted(own.items()))]
+    if png_link:
+        lines += ["", f"![{o.name}]({png_link})"]
+    rest = {k: v for k, v in sorted(m.items()) if not k.startswith("machine_")}
+    lines += ["", f"<details><summary>All {len(rest)} metrics of this run</summary>", "",
+              "| metric | value |", "| --- | --- |"]
+    lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in rest.items()]
+    lines += ["", "</details>", ""]
+    return lines, heads
+
+
+def write_report(path: str, outcomes: list[Outcome], specs: dict[str, Spec], *, here: dict[str, Any], command: str,
+                 quick: bool, started: dt.datetime, elapsed_s: float, unselected: list[str]) -> None:
+    """Write the Markdown page to ``path`` and its plots to ``results/`` beside it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    results = os.path.join(folder, "results")
+    machines: dict[tuple[str, ...], str] = {}
+    body: list[str] = []
+    heads: list = []
+    skipped = [o for o in outcomes if o.status != "ok"]
+    for o in outcomes:
+        if o.status != "ok":
+            continue
+        key = machine_of(o.metrics, here, o.origin)
+        letter = machines.setdefault(key, chr(ord("A") + len(machines)))
+        machine = f"{letter} ({key[0]} cores, {key[3] if key[3] != 'none' else 'no GPU'})"
+        link = None
+        if o.png:
+            suffix = "" if not o.origin else f"-{letter.lower()}"
+            copy_png(o.png, os.path.join(results, f"{o.name}{suffix}.png"))
+            link = f"results/{o.name}{suffix}.png"
+        lines, h = section(o, specs.get(o.name), machine, link)
+        body += lines
+        heads += h
+        if o.name == "bench_scaling":
+            body += ["### Where the bottleneck is", "", bottleneck_text(o.metrics), ""]
+    out = [
+        "# Benchmark results", "",
+        f"Written by `{command}` on {started:%Y-%m-%d %H:%M} UTC in {elapsed_s:.0f} s"
+        f"{' (quick runs: short, so noisier than full ones)' if quick else ''}. Run it again to refresh "
+        "this page; each script's own options are in [bench/README.md](README.md).", "",
+        "These machines are shared and noisy: compare the **ratios**, each measured against its baseline in "
+        "the same run on the same machine, not the absolute figures. The load average when each script "
+        "started is given with it.", "",
+        "## Machines", "", "| machine | cores | memory | CPU | GPU |", "| --- | --- | --- | --- | --- |",
+    ]
+    out += [f"| {letter} | {k[0]} | {k[1]} | {k[2]} | {k[3]} |" for k, letter in machines.items()]
+    if not machines:
+        out.append(f"| - | {here.get('machine_cores')} | {here.get('machine_memory_gb')} GB | "
+                   f"{here.get('machine_cpu')} | {here.get('machine_gpu')} |")
+    out += ["", "## Headline ratios", "", "| bench | figure | against | ratio | goal | met | machine |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, machine, row, ev in heads:
+        shown = f"{ev['ratio']:.2f}x" if ev["ratio"] is not None else fmt(row.key, ev["value"])
+        met = "-" if ev["met"] is None else ("yes" if ev["met"] else "**no**")
+        out.append(f"| {name} | {row.label} | {row.against or '-'} | {shown} | {goal_text(row)} | {met} | "
+                   f"{machine.split(' ')[0]} |")
+    out.append("")
+    if skipped or unselected:
+        out += ["## Not run", ""]
+        out += [f"- `{o.name}`: not run: {o.reason}" for o in skipped]
+        out += [f"- `{n}`: not run: not selected (`--only`)" for n in unselected]
+        out.append("")
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(out + body).rstrip() + "\n")

@@ -1,0 +1,56 @@
+"""Each package's __all__ names exactly what it exports, and everything named exists."""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rollfleet
+
+PACKAGES = ["rollfleet.actors", "rollfleet.transport", "rollfleet.engines", "rollfleet.weights", "rollfleet.errors"]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_names_exist(name):
+    module = importlib.import_module(name)
+    assert module.__all__, f"{name} has an empty __all__"
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ names missing attributes: {missing}"
+    assert len(set(module.__all__)) == len(module.__all__)
+
+
+def test_py_typed_is_shipped():
+    assert (Path(rollfleet.__file__).parent / "py.typed").exists()
+
+
+def test_no_pickle_in_the_wire_or_runtime():
+    root = Path(rollfleet.__file__).parent
+    offenders = []
+    for folder in ("transport", "actors", "weights", "engines"):
+        for path in (root / folder).glob("*.py"):
+            text = path.read_text()
+            if "import pickle" in text or "pickle.loads" in text or "cloudpickle" in text:
+                offenders.append(str(path))
+    assert not offenders, offenders
+
+
+def test_cli_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for command in ("demo", "serve", "stats", "keys"):
+        assert command in out.stdout
+
+
+def test_demo_runs_on_the_echo_engine_and_exits_cleanly(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "rollfleet.cli", "demo", "--engine", "echo", "--requests", "12", "--max-tokens", "40"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "aborted                1" in out.stdout
+    assert "weight versions seen" in out.stdout and "fleet shut down cleanly" in out.stdout
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("rollfleet-")]
