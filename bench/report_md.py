@@ -18,7 +18,9 @@ __all__ = ["Row", "Spec", "Outcome", "write_report", "bottleneck_text", "copy_pn
 
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 # Units by key suffix, longest first; ratios get an "x".
-UNITS = [("_us", "us"), ("_ms", "ms"), ("_gbps", "GB/s"), ("_rps", "req/s"), ("_tps", "tok/s"), ("_s", "s")]
+UNITS = [("us", "us"), ("ms", "ms"), ("gbps", "GB/s"), ("rps", "req/s"), ("tps", "tok/s"), ("s", "s")]
+# What may follow the unit in a key: a fleet size, a bucket size, a strategy.
+TAIL = r"(_\d+w|_\d+mb|_resume|_restart)?$"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,7 +76,7 @@ def fmt(key: str, value: Any) -> str:
         return "yes" if value else "no"
     if not isinstance(value, (int, float)):
         return str(value)
-    unit = next((u for suffix, u in UNITS if re.search(rf"{suffix}(_\d+w|_\d+mb)?$", key)), "")
+    unit = next((u for name, u in UNITS if re.search(rf"(^|_){name}{TAIL}", key)), "")
     v = float(value)
     if v == 0 or abs(v) >= 100:
         text = f"{v:,.0f}"
@@ -211,7 +213,7 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                 ev = evaluate(row, m)
                 if ev is None:
                     why = row.missing or "not in this run's JSON"
-                    if row.gpu and "none" in machine.lower():
+                    if row.gpu and "no GPU" in machine:
                         why = "needs a GPU; this machine has none"
                     lines.append(f"| {row.label} | not measured: {why} | {row.against or '-'} | - | - | "
                                  f"{goal_text(row)} | - |")
