@@ -79,7 +79,9 @@ async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests:
         options.setdefault("seed", seed)
     elif engine == "echo":
         options["tokens_per_s"] = 400
-    config = FleetConfig(engine=engine, engine_options=options, num_workers=num_workers)
+    # vLLM on a CPU takes 20-30 s per engine to start, more on a busy machine.
+    config = FleetConfig(engine=engine, engine_options=options, num_workers=num_workers,
+                         start_timeout_s=600.0 if engine == "vllm" else 120.0)
     rng = random.Random(seed)
     print(f"starting {num_workers} {engine} workers ...", flush=True)
     t_start = time.monotonic()

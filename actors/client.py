@@ -38,6 +38,12 @@ def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> Sampling
     return sampling_params
 
 
+def _prompt(prompt_ids: Any) -> list[int]:
+    # Either path copies it (the supervisor into its table, RemoteClient into a message)
+    # before the caller gets control back; only a non-list needs turning into one.
+    return prompt_ids if type(prompt_ids) is list else list(prompt_ids)
+
+
 class _Base:
     """Shared generate/stream logic over a per-request message queue."""
 
@@ -74,7 +80,7 @@ class _Base:
             if not fut.done() and isinstance(msg, (Result, Error)):
                 fut.set_result(msg)
 
-        await self._submit(request_id, list(prompt_ids), _params(sampling_params), sink, False, session_id, resume)
+        await self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id, resume)
         self.on_dispatch(request_id)
         done = False
         try:
@@ -93,7 +99,8 @@ class _Base:
                 self._cancel(request_id)
         if isinstance(msg, Error):
             raise from_code(msg.code, msg.message, request_id)
-        result = GenerationResult.from_message(msg)  # type: ignore[arg-type]
+        # The message was made for this call alone: its lists become the result's.
+        result = GenerationResult.from_message(msg, copy=False)  # type: ignore[arg-type]
         self.on_complete(result)
         return result
 
@@ -118,7 +125,7 @@ class _Base:
                    session_id: str | None, resume: bool | None, timeout: float | None
                    ) -> AsyncIterator[StreamChunk | GenerationResult]:
         queue: asyncio.Queue[Message] = asyncio.Queue()
-        await self._submit(request_id, list(prompt_ids), _params(sampling_params), queue.put_nowait,
+        await self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
                            stream, session_id, resume)
         self.on_dispatch(request_id)
         done = False
@@ -138,7 +145,7 @@ class _Base:
                     yield StreamChunk(list(msg.token_ids), msg.logprobs, msg.weight_version)
                 elif isinstance(msg, Result):
                     done = True
-                    result = GenerationResult.from_message(msg)
+                    result = GenerationResult.from_message(msg, copy=False)
                     self.on_complete(result)
                     yield result
                     return

@@ -94,6 +94,14 @@ class FleetConfig:
     keep_last_weights: bool = True
     """Keep a CPU copy of the last update so a restarted worker can be brought to it. Turn off
     for big models and pass update_weights a callable that yields the tensors instead."""
+    stall_timeout_s: float | None = None
+    """A running request that gets no token for this long while its worker still heartbeats
+    means a stuck engine: the worker is killed and restarted and its requests resume. Set
+    it above the longest legitimate wait (queueing in a full engine, a long prefill); checks
+    pause while the engines are paused or asleep. None: off."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on 127.0.0.1 at this port (0: a free one, see
+    Supervisor.metrics_address); needs prometheus-client. None: off."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -111,6 +119,10 @@ class FleetConfig:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
             raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
 
     def weight_transport(self) -> str:
         """The transport weight updates use unless a call overrides it."""

@@ -37,16 +37,29 @@ class GenerationResult:
         return self.finish_reason == "abort"
 
     @classmethod
-    def from_message(cls, msg: Result) -> "GenerationResult":
+    def from_message(cls, msg: Result, *, copy: bool = True) -> "GenerationResult":
+        """The result a ``result`` message describes. With ``copy=False`` it takes the
+        message's lists and dict as its own: only for a message nothing else will read."""
+        if copy:
+            return cls(
+                request_id=msg.id,
+                token_ids=list(msg.token_ids),
+                finish_reason=msg.finish_reason,
+                logprobs=list(msg.logprobs) if msg.logprobs is not None else None,
+                weight_versions=list(msg.weight_versions),
+                num_preemptions=msg.num_preemptions,
+                worker=msg.worker,
+                timings=dict(msg.timings),
+            )
         return cls(
             request_id=msg.id,
-            token_ids=list(msg.token_ids),
+            token_ids=msg.token_ids,
             finish_reason=msg.finish_reason,
-            logprobs=list(msg.logprobs) if msg.logprobs is not None else None,
-            weight_versions=list(msg.weight_versions),
+            logprobs=msg.logprobs,
+            weight_versions=msg.weight_versions,
             num_preemptions=msg.num_preemptions,
             worker=msg.worker,
-            timings=dict(msg.timings),
+            timings=msg.timings,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from ..transport.sockets import SocketOptions, make_socket
 from .config import FleetConfig
 from .handle import RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
+from .metrics import LogLimiter, MetricsExporter
 from .process import WorkerProcess, device_env
 from .router import Router
 from .updates import WeightSync
@@ -104,6 +105,10 @@ class Supervisor:
         self._server_keys: tuple[bytes, bytes] | None = None
         self._paused = False  # a weight update holds new dispatches
         self.weights = WeightSync(self, keep_last_weights=config.keep_last_weights)
+        self._drops = LogLimiter(logger)  # bad or foreign frames: counted, logged sparingly
+        self._stall_seen: dict[str, tuple[int, float]] = {}  # inner id -> (tokens, unchanged since)
+        self._engines_held = False  # a pause/sleep control op is in force: no token is expected
+        self._metrics: MetricsExporter | None = None
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "Supervisor":
@@ -151,6 +156,8 @@ class Supervisor:
                                    curve_server_keys=server_keys)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
+            if cfg.metrics_port is not None:
+                self._metrics = MetricsExporter(cfg.metrics_port)
             self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]
             for index in range(cfg.num_workers):
                 self._restarts[index] = RestartTracker()
@@ -172,6 +179,9 @@ class Supervisor:
         engine_options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
         env = dict(cfg.worker_env)
         env.update(device_env(device))
+        if cfg.engine == "vllm" and device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in {**os.environ, **env}:
+            # vLLM pins its CPU threads by local rank, which is 0 in every worker: spread them.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
         proc = WorkerProcess(
             worker_id,
             {
@@ -255,11 +265,18 @@ class Supervisor:
                     lsock.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
+            if self._metrics is not None:
+                self._metrics.close()
             if self._ctx is not None:
                 self._ctx.term()
             if self.private_dir:
                 shutil.rmtree(self.private_dir, ignore_errors=True)
             self._closed = True
+
+    @property
+    def metrics_address(self) -> str | None:
+        """URL of the Prometheus endpoint (``FleetConfig.metrics_port``), or None."""
+        return self._metrics.address if self._metrics is not None else None
 
     @property
     def closed(self) -> bool:
@@ -340,6 +357,10 @@ class Supervisor:
             except WorkerStartError as exc:
                 logger.error("restart of worker slot %d failed: %s", index, exc)
                 self._on_worker_dead(handle, str(exc))
+                # It died before it was ready, so its death did not schedule a restart; the
+                # policy's window still bounds a worker that can never start.
+                if not self.closed:
+                    self._schedule_restart(index)
 
         task = asyncio.create_task(restart(), name=f"rollfleet-restart-{index}")
         self._tasks.append(task)
@@ -357,6 +378,44 @@ class Supervisor:
                 elif handle.state is not WorkerState.STARTING and now - handle.last_heartbeat > self.config.heartbeat_timeout_s:
                     handle.last_error = f"no heartbeat for {now - handle.last_heartbeat:.1f}s (hung)"
                     handle.proc.kill()  # the pidfd fires and _on_process_exit follows
+            if self.config.stall_timeout_s is not None:
+                self._check_stalls(now)
+            self._drops.flush()
+            if self._metrics is not None:
+                self._metrics.update(await self.stats(engines=False))
+
+    def _check_stalls(self, now: float) -> None:
+        """Kill workers whose engine stopped producing tokens for a running request.
+
+        Heartbeats come from the worker's loop, so they go on when only the engine is stuck;
+        progress is judged per request instead: a request running on a ready worker whose
+        token count has not moved for ``stall_timeout_s``. The death path then resumes it.
+        """
+        limit = self.config.stall_timeout_s
+        if limit is None or self._paused or self._engines_held:
+            self._stall_seen.clear()  # waits that are meant to be: start over afterwards
+            return
+        seen: dict[str, tuple[int, float]] = {}
+        stalled: dict[str, str] = {}  # worker id -> one stalled request
+        for entry in self.table:
+            inner = entry.inner_id
+            if inner is None or entry.state is not State.RUNNING:
+                continue
+            handle = self.workers.get(entry.worker_id or "")
+            if handle is None or handle.state is not WorkerState.READY:
+                continue
+            count = len(entry.token_ids)
+            prev = self._stall_seen.get(inner)
+            since = prev[1] if prev is not None and prev[0] == count else now
+            seen[inner] = (count, since)
+            if now - since > limit:
+                stalled.setdefault(handle.worker_id, entry.request_id)
+        self._stall_seen = seen  # rebuilt each tick: finished requests drop out by themselves
+        for worker_id, request_id in stalled.items():
+            handle = self.workers[worker_id]
+            handle.last_error = f"request {request_id!r} got no token for {limit}s (engine stalled)"
+            logger.error("worker %s: %s; killing it", worker_id, handle.last_error)
+            handle.proc.kill()
 
     # ================================================================== worker socket
     def _send_worker(self, handle: WorkerHandle, msg: Message) -> None:
@@ -366,17 +425,21 @@ class Supervisor:
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         # (identity, header, *buffers)
         if len(frames) < 2:
+            self._drops.log("worker_empty", logging.WARNING, "dropped an empty message on the worker socket")
             return
         identity = frames[0]
         handle = self.workers.get(identity.decode("utf-8", "replace"))
         if handle is None:
-            logger.warning("dropped a message from unregistered identity %r", identity[:64])
+            self._drops.log("unregistered_identity", logging.WARNING,
+                            "dropped a message from unregistered identity %r", identity[:64])
             return
         try:
             msg = codec.decode(frames[1:2], self._max_bytes)
         except codec.DecodeError as exc:
-            logger.warning("bad message from worker %s: %s", handle.worker_id, exc)
-            self._send_worker(handle, codec.error_for(exc))
+            # No error reply: a worker cannot act on one, and a buggy worker would get a
+            # reply per bad frame; the log line (rate-limited) is for the operator.
+            self._drops.log("bad_worker_frame", logging.WARNING, "dropped a bad message from worker %s: %s",
+                            handle.worker_id, exc)
             return
         handle.last_heartbeat = time.monotonic()
         if isinstance(msg, Chunk):
@@ -399,7 +462,8 @@ class Supervisor:
                     WorkerStartError(f"worker {handle.worker_id} failed to start: {msg.reason}\n{handle.proc.stderr_tail()}")
                 )
         else:
-            self._send_worker(handle, Error(id=msg.id, code="unknown_type", message=f"unexpected {msg.TYPE.value}"))
+            self._drops.log("bad_worker_frame", logging.WARNING, "dropped an unexpected %s message from worker %s",
+                            msg.TYPE.value, handle.worker_id)
 
     def _on_register(self, handle: WorkerHandle, msg: Register) -> None:
         handle.engine = msg.engine
@@ -567,7 +631,8 @@ class Supervisor:
             return
         entry = self.table.by_inner(msg.id)
         if entry is None:
-            logger.warning("worker %s: error %s: %s", handle.worker_id, msg.code, msg.message)
+            self._drops.log("worker_error", logging.WARNING, "worker %s: error %s: %s",
+                            handle.worker_id, msg.code, msg.message)
             return
         self.router.on_finish(handle.worker_id)
         self.table.unbind(entry)
@@ -672,6 +737,8 @@ class Supervisor:
             from ..errors import InvalidRequest
 
             raise InvalidRequest(f"unknown control op {op!r}; one of {', '.join(CONTROL_OPS)}", code="unknown_op")
+        if op in ("pause", "sleep"):
+            self._engines_held = True  # before the call: tokens stop as soon as an engine obeys
         handles = self.ready_workers()
         results = await asyncio.gather(
             *(h.call(Control(id=h.next_call_id(), op=op, args=dict(args or {})), self.config.call_timeout_s)
@@ -685,6 +752,8 @@ class Supervisor:
             if isinstance(res, BaseException):
                 raise res
             out[h.worker_id] = res
+        if op in ("resume", "wake_up"):
+            self._engines_held = False
         return out
 
     async def update_weights(self, named_tensors: Any, version: int, *, transport: str | None = None,
@@ -738,6 +807,7 @@ class Supervisor:
             "engine": self.config.engine,
             "host": socket.gethostname(),
             **{f"num_{k}": v for k, v in self.counters.items()},
+            "dropped_frames": dict(self._drops.counts),
         }
 
     # ================================================================== frontend socket
@@ -751,12 +821,14 @@ class Supervisor:
     def _on_frontend_frames(self, frames: list[bytes]) -> None:
         # (identity, header, *buffers)
         if len(frames) < 2:
-            return  # a ROUTER always prepends the identity; a lone frame is an empty message
+            # a ROUTER always prepends the identity; a lone frame is an empty message
+            self._drops.log("client_empty", logging.INFO, "dropped an empty message on the client socket")
+            return
         identity = frames[0]
         try:
             msg = codec.decode(frames[1:2], self._max_bytes)
         except codec.DecodeError as exc:
-            logger.info("bad client message: %s", exc)
+            self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
             self._reply_client(identity, codec.error_for(exc))
             return
         origin = identity.hex()

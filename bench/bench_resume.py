@@ -10,21 +10,27 @@ lengths, from a seeded generator):
   submits the same prompt again from scratch, under a new request id. The partial tokens
   are thrown away.
 
-A steady stream is ``--inflight`` lanes, each submitting one request after another for
-``--duration`` seconds; a request's max_tokens is drawn around ``--max-tokens`` (``--spread``),
-so lanes do not fall into step. Every ``--every`` seconds the bench calls
-``update_weights`` with the same weights under a new version. Measured per strategy:
+A steady stream is ``--inflight`` lanes, each submitting one request after another; a
+request's max_tokens is drawn around ``--max-tokens`` (``--spread``), so lanes do not fall
+into step. Each strategy runs a window: the lanes start, ramp for one update interval (no
+update, so a cold start counts against neither strategy), then run ``--duration`` measured
+seconds; every ``--every`` seconds from the lanes' start the bench calls ``update_weights``
+with the same weights under a new version. Measured per strategy:
 
-- useful tokens/s: tokens of requests that completed (length or stop) in the window, over
-  the window's wall time;
-- wasted tokens: tokens the engines generated (their ``num_tokens`` stats) that reached no
-  completed request, less the tokens of requests still running when the window closed (the
-  bench aborts those and counts them apart). Under resume this should be 0; under restart
-  it is what the aborts threw away. The client's own count of discarded partial outputs is
-  reported next to it (``*_client``); the two agree unless tokens were lost on the way;
+- useful tokens/s: tokens of requests that completed (length or stop) within the measured
+  window, over its wall time;
+- wasted tokens: tokens the engines generated (their ``num_tokens`` stats, from the lanes'
+  start until every lane has stopped) less the tokens of completed requests and of the
+  requests still running when the window closed (the bench aborts those and counts them
+  apart). Under resume this should be 0; under restart it is what the aborts threw away.
+  The client's own count of discarded partial outputs is reported next to it
+  (``*_client``); the two differ only if tokens were lost on the way;
 - update pause: time from calling ``update_weights(v)`` until the first token generated
   under version v reaches a client (every request streams, chunks carry their version);
   and how long the ``update_weights`` call itself took (interrupt, drain, send).
+
+Every request sets ``ignore_eos``, so a completed one must hold exactly max_tokens tokens;
+``wrong_length_*`` counts those that do not (a resume that lost or repeated tokens).
 
 The default engine is ``torch`` (the tiny random Llama, real forward passes on the CPU);
 ``--engine echo`` paces tokens with ``--echo-tokens-per-s`` instead.
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import statistics
 import sys
@@ -75,17 +82,20 @@ class Phase:
     """Tokens the engines generated from the lanes' start to the end."""
     engine_tokens_window: int = 0
     """The same, within the measurement window only."""
-    engine_prefills: int = 0
+    engine_requests: int = 0
+    """Requests the engines started, fresh or resumed; each began with a prefill."""
     num_completed: int = 0
     num_restarts: int = 0
     num_preemptions: int = 0
+    num_wrong_length: int = 0
+    """Completed requests whose length is not their max_tokens (must stay 0)."""
     pauses_ms: list[float] = field(default_factory=list)
     update_call_ms: list[float] = field(default_factory=list)
     chunks: list[tuple[float, int]] = field(default_factory=list)
-    """(seconds since the window opened, tokens) of every streamed chunk."""
+    """(seconds since the lanes started, tokens) of every streamed chunk."""
     completions: list[tuple[float, int]] = field(default_factory=list)
     updates: list[float] = field(default_factory=list)
-    """Seconds since the window opened of each update_weights call."""
+    """Seconds since the lanes started of each update_weights call."""
 
     @property
     def window_s(self) -> float:
@@ -112,14 +122,14 @@ def workload(lane: int, seed: int, prompt_len: int, max_tokens: int, spread: flo
 
 
 async def engine_counts(sup: Supervisor) -> tuple[int, int]:
-    """(tokens generated, prefills run) summed over the fleet's engines."""
+    """(tokens generated, requests started) summed over the fleet's engines."""
     stats = await sup.stats()
-    tokens = prefills = 0
+    tokens = requests = 0
     for worker in stats["workers"]:
         engine = worker.get("engine_stats") or {}
         tokens += int(engine.get("num_tokens", 0))
-        prefills += int(engine.get("num_prefills", 0))
-    return tokens, prefills
+        requests += int(engine.get("num_requests", 0))
+    return tokens, requests
 
 
 class Bench:
@@ -160,7 +170,7 @@ class Bench:
         running: dict[int, str] = {}  # lane -> request id in flight
         ended_by_us: set[str] = set()
         first_chunk: dict[int, float] = {}  # weight version -> time its first token arrived
-        tokens0, prefills0 = await engine_counts(self.sup)
+        tokens0, requests0 = await engine_counts(self.sup)
         t0 = time.perf_counter()
 
         async def lane(i: int) -> None:
@@ -191,6 +201,8 @@ class Bench:
                         out.tail_tokens += n
                         return
                     if not result.aborted:
+                        if n != max_tokens:  # ignore_eos: a resumed request lost or repeated tokens
+                            out.num_wrong_length += 1
                         out.useful_tokens += n
                         out.num_completed += 1
                         out.num_preemptions += result.num_preemptions
@@ -238,8 +250,8 @@ class Bench:
             await self.client.abort(rid)
         await asyncio.gather(*lanes)
         await updates  # its last pause may still have been waiting for a token
-        tokens1, prefills1 = await engine_counts(self.sup)
-        out.engine_tokens, out.engine_prefills = tokens1 - tokens0, prefills1 - prefills0
+        tokens1, requests1 = await engine_counts(self.sup)
+        out.engine_tokens, out.engine_requests = tokens1 - tokens0, requests1 - requests0
         out.engine_tokens_window = tokens_close - tokens_open
         return out
 
@@ -249,16 +261,16 @@ def fleet_config(args: Any) -> tuple[FleetConfig, list[tuple[str, Any]], int]:
     import torch
 
     # Frequent updates interrupt a long request many times; that is the point, not a failure.
-    common = dict(num_workers=args.workers, frontend_addr=None, max_resume_attempts=1_000_000)
+    shared = dict(num_workers=args.workers, frontend_addr=None, max_resume_attempts=1_000_000)
     if args.engine == "torch":
         from rollfleet.engines.tiny import TINY_LLAMA, tiny_llama_model
 
         model = tiny_llama_model(args.seed)
         weights = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
         options = {"seed": args.seed, "max_batch_size": max(args.inflight, 1)}
-        return FleetConfig(engine="torch", engine_options=options, **common), weights, TINY_LLAMA["vocab_size"]
+        return FleetConfig(engine="torch", engine_options=options, **shared), weights, TINY_LLAMA["vocab_size"]
     options = {"tokens_per_s": args.echo_tokens_per_s}
-    return FleetConfig(engine="echo", engine_options=options, **common), [("offset", torch.tensor([0]))], 32000
+    return FleetConfig(engine="echo", engine_options=options, **shared), [("offset", torch.tensor([0]))], 32000
 
 
 async def measure(args: Any) -> tuple[list[Phase], float]:
@@ -308,9 +320,13 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
         m[f"wasted_fraction_{s}"] = wasted / max(1, engine)
         m[f"tail_tokens_{s}"] = sum(p.tail_tokens for p in ps)
         m[f"completed_{s}"] = sum(p.num_completed for p in ps)
+        # Restart finishes short requests and keeps losing long ones: a length bias in the samples.
+        m[f"completed_mean_tokens_{s}"] = (sum(p.useful_tokens for p in ps) / m[f"completed_{s}"]
+                                           if m[f"completed_{s}"] else None)
         m[f"restarts_{s}"] = sum(p.num_restarts for p in ps)
+        m[f"wrong_length_{s}"] = sum(p.num_wrong_length for p in ps)
         m[f"preemptions_{s}"] = sum(p.num_preemptions for p in ps)
-        m[f"prefills_{s}"] = sum(p.engine_prefills for p in ps)
+        m[f"engine_requests_{s}"] = sum(p.engine_requests for p in ps)
         m[f"updates_{s}"] = num_updates
         m[f"pauses_measured_{s}"] = len(pauses)
         m[f"update_pause_ms_{s}"] = median(pauses)
@@ -323,23 +339,31 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
 
 
 def report(m: dict[str, Any]) -> None:
-    rows = [(s, m[f"{s}_tps"], m[f"generated_tps_{s}"], m[f"completed_{s}"], m[f"wasted_tokens_{s}"],
-             m[f"wasted_tokens_{s}_client"], m[f"wasted_per_update_{s}"], m[f"restarts_{s}"],
-             m[f"preemptions_{s}"], m.get(f"update_pause_ms_{s}"), m.get(f"update_pause_max_ms_{s}"),
-             m.get(f"update_call_ms_{s}"))
-            for s in STRATEGIES]
+    title = (f"{m['inflight']} requests in flight on {m['workers']} {m['engine']} worker(s), max_tokens "
+             f"{m['max_tokens']}±{m['spread']:.0%}, prompt {m['prompt_len']}, update every {m['update_every_s']:g} s, "
+             f"{m['rounds']}x{m['duration_s']:g} s measured per strategy; {m['machine_cores']} cores, "
+             f"load {m['machine_load_1m']} at start, {m['load_1m_end']} at end{' (quick)' if m['quick'] else ''}")
     print()
-    print_table(["strategy", "useful tok/s", "generated tok/s", "completed", "wasted tok", "wasted (client)",
-                 "wasted/update", "restarts", "resumes", "pause p50 ms", "pause max ms", "update call p50 ms"],
-                rows,
-                title=f"{m['inflight']} requests in flight on {m['workers']} {m['engine']} worker(s), max_tokens "
-                      f"{m['max_tokens']}±{m['spread']:.0%}, update every {m['update_every_s']} s, "
-                      f"{m['rounds']}x{m['duration_s']} s per strategy; {m['machine_cores']} cores, "
-                      f"load {m['machine_load_1m']}{' (quick)' if m['quick'] else ''}")
+    print_table(["strategy", "useful tok/s", "generated tok/s", "completed", "mean tokens", "wasted tokens",
+                 "wasted (client)", "wasted/update", "wasted %"],
+                [(s, m[f"{s}_tps"], m[f"generated_tps_{s}"], m[f"completed_{s}"],
+                  m.get(f"completed_mean_tokens_{s}"), m[f"wasted_tokens_{s}"], m[f"wasted_tokens_{s}_client"],
+                  m[f"wasted_per_update_{s}"], 100 * m[f"wasted_fraction_{s}"]) for s in STRATEGIES],
+                title=title)
+    print()
+    print_table(["strategy", "updates", "restarts", "resumes", "engine requests", "pause p50 ms", "pause max ms",
+                 "update call p50 ms"],
+                [(s, m[f"updates_{s}"], m[f"restarts_{s}"], m[f"preemptions_{s}"], m[f"engine_requests_{s}"],
+                  m.get(f"update_pause_ms_{s}"), m.get(f"update_pause_max_ms_{s}"), m.get(f"update_call_ms_{s}"))
+                 for s in STRATEGIES])
     ratio = m.get("resume_vs_restart_tps")
     print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio else "\nrestart completed nothing")
-    print(f"pause = update_weights call to the first token of the new version; fleet start {m['start_s']:.1f} s, "
-          f"{m['elapsed_s']:.0f} s in all")
+    print("pause: from the update_weights call to the first token of the new version at a client; "
+          "mean tokens: per completed request")
+    for s in STRATEGIES:
+        if m[f"wrong_length_{s}"]:
+            print(f"WARNING: {m[f'wrong_length_{s}']} completed {s} requests do not hold max_tokens tokens")
+    print(f"fleet start {m['start_s']:.1f} s, {m['elapsed_s']:.0f} s in all")
 
 
 def plot(path: str, phases: list[Phase], every: float) -> bool:
@@ -351,17 +375,15 @@ def plot(path: str, phases: list[Phase], every: float) -> bool:
         print(f"matplotlib is not installed: no plot at {path}")
         return False
     matplotlib.use("Agg")
-    import os
-
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     colors = {"resume": "tab:blue", "restart": "tab:red"}
     for s in STRATEGIES:
         p = next(p for p in phases if p.strategy == s)
-        bins = [0] * (int(p.wall_s / BIN_S) + 1)
+        bins = [0] * int(p.wall_s / BIN_S)  # whole bins only: a partial last one would dip
         for t, n in p.chunks:
-            if t < p.wall_s:
+            if t < len(bins) * BIN_S:
                 bins[int(t / BIN_S)] += n
         left.plot([(i + 0.5) * BIN_S for i in range(len(bins))], [b / BIN_S for b in bins],
                   color=colors[s], label=f"{s}: generated")
@@ -373,7 +395,7 @@ def plot(path: str, phases: list[Phase], every: float) -> bool:
             ys.append(total)
         right.step(xs, ys, where="post", color=colors[s], label=s)
         for u in p.updates:
-            left.axvline(u, color=colors[s], linestyle=":", alpha=0.6)
+            left.axvline(u, color=colors[s], linestyle=":", alpha=0.5)
     ramp = phases[0].ramp_s
     for ax in (left, right):
         ax.axvspan(0, ramp, color="0.9", zorder=0)  # the ramp: not in the measured window
@@ -420,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.max_tokens is None:
-        args.max_tokens = 256 if args.engine == "torch" else 128
+        args.max_tokens = 128
     if args.duration is None:
-        args.duration = 6.0 if args.quick else 30.0
+        args.duration = 4.0 if args.quick else 30.0
     if args.every is None:
         args.every = 2.0 if args.quick else 3.0
     if args.rounds is None:
@@ -440,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     phases, start_s = run_loop(measure(args))
     m = metrics(args, phases)
     m["start_s"] = start_s
+    m["load_1m_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
     report(m)

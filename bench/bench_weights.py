@@ -44,7 +44,7 @@ from rollfleet.errors import RequestTimeout, from_code  # noqa: E402
 from rollfleet.transport.codec import decode, encode  # noqa: E402
 from rollfleet.transport.messages import Error, Register, Reply, Shutdown  # noqa: E402
 from rollfleet.transport.sockets import make_socket  # noqa: E402
-from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig  # noqa: E402
+from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, release_buffers  # noqa: E402
 
 MB = 1 << 20
 
@@ -154,6 +154,7 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
         await sock.send_multipart([link.worker_id.encode(), encode(Shutdown(id="bye"))])  # (identity, header)
         reader.cancel()
         proc.wait(60)
+        release_buffers()  # the worker has dropped its mappings: free ours before the next transport
         return out
     finally:
         if proc.poll() is None:

@@ -20,7 +20,7 @@ OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 # Units by key suffix, longest first; ratios get an "x".
 UNITS = [("us", "us"), ("ms", "ms"), ("gbps", "GB/s"), ("rps", "req/s"), ("tps", "tok/s"), ("s", "s")]
 # What may follow the unit in a key: a fleet size, a bucket size, a strategy.
-TAIL = r"(_\d+w|_\d+mb|_resume|_restart)?$"
+TAIL = r"(_\d+w|_\d+mb|_resume|_restart|_best)?$"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,7 +76,7 @@ def fmt(key: str, value: Any) -> str:
         return "yes" if value else "no"
     if not isinstance(value, (int, float)):
         return str(value)
-    unit = next((u for name, u in UNITS if re.search(rf"(^|_){name}{TAIL}", key)), "")
+    unit = "" if "_vs_" in key else next((u for name, u in UNITS if re.search(rf"(^|_){name}{TAIL}", key)), "")
     v = float(value)
     if v == 0 or abs(v) >= 100:
         text = f"{v:,.0f}"
@@ -92,10 +92,13 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
         return [(row, row.headline)]
     pattern = re.compile("^" + re.escape(row.key).replace(r"\{n\}", r"(\d+)") + "$")
     ns = sorted(int(m.group(1)) for k in metrics if (m := pattern.match(k)))
-    return [(Row(label=row.label.format(n=n), key=row.key.format(n=n), baseline=row.baseline,
-                 against=row.against, ratio=row.ratio, goal=row.goal, gpu=row.gpu, missing=row.missing,
-                 headline=row.headline and n == ns[-1] and n != 1), row.headline and n == ns[-1] and n != 1)
-            for n in ns]
+    rows = []
+    for n in ns:
+        head = row.headline and n == ns[-1] and n != 1
+        label = re.sub(r"\b1 (worker|receiver)s\b", r"1 \1", row.label.format(n=n))
+        rows.append((Row(label=label, key=row.key.format(n=n), baseline=row.baseline, against=row.against,
+                         ratio=row.ratio, goal=row.goal, gpu=row.gpu, missing=row.missing, headline=head), head))
+    return rows
 
 
 def evaluate(row: Row, m: dict[str, Any]) -> dict[str, Any] | None:
@@ -210,6 +213,8 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for base_row in spec.rows:
             for row, head in expand(base_row, m):
+                if row.key == row.baseline:
+                    continue  # the baseline itself: shown in the other rows' baseline column
                 ev = evaluate(row, m)
                 if ev is None:
                     why = row.missing or "not in this run's JSON"

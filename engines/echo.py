@@ -5,6 +5,19 @@ length), so resuming with prompt + partial tokens continues exactly where an
 uninterrupted run would. ``tokens_per_s`` paces generation (0: as fast as possible).
 A weight update with a tensor named ``offset`` shifts every later token, so tests can
 see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
+
+Fault options, for reliability tests. The generate faults fire when a request's sequence
+(prompt + output) reaches a given length inside one generate call; a call whose prompt is
+already that long (a resumed request) is spared, so a request resumed elsewhere completes:
+
+- ``fail_start``: start() raises.
+- ``start_delay_s``: start() takes this long (a window to kill a worker during start-up).
+- ``fail_generate_after``: N -- generate raises RuntimeError when the sequence reaches N
+  tokens; the request fails with engine_error and the worker goes on.
+- ``fail_fatal``: with the option above, raise an exception named EngineDead instead: the
+  worker reports it, exits and is restarted; its other requests resume.
+- ``stall_after``: N -- generate stops producing tokens when the sequence reaches N tokens
+  and ignores aborts; the worker's loop (and its heartbeats) go on, as with a hung engine.
 """
 
 from __future__ import annotations
@@ -16,7 +29,14 @@ from typing import Any
 from ..transport.messages import FinishReason, SamplingParams
 from .base import Engine, EngineOutput
 
-__all__ = ["EchoEngine", "echo_next_token"]
+__all__ = ["EchoEngine", "EngineDead", "echo_next_token"]
+
+
+class EngineDead(RuntimeError):
+    """Raised by the ``fail_fatal`` fault; the worker treats this class name as fatal."""
+
+# Enum member values are properties: read them once, not per token.
+_STOP, _LENGTH, _ABORT = FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value
 
 
 def echo_next_token(last_token: int, length: int, vocab_size: int, offset: int = 0) -> int:
@@ -26,12 +46,18 @@ def echo_next_token(last_token: int, length: int, vocab_size: int, offset: int =
 
 class EchoEngine(Engine):
     name = "echo"
+    # The worker may run generate() up to its first await outside any task (see
+    # EngineWorker._start): nothing here needs asyncio.current_task() or asyncio.timeout.
+    inline_first_step = True
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         self.vocab_size = int(self.options.get("vocab_size", 32000))
         self.tokens_per_s = float(self.options.get("tokens_per_s", 0.0))
         self.eos_token_id = self.options.get("eos_token_id")
+        self.fail_after = _opt_int(self.options.get("fail_generate_after"))
+        self.fail_fatal = bool(self.options.get("fail_fatal"))
+        self.stall_after = _opt_int(self.options.get("stall_after"))
         self.offset = 0
         self._aborted: set[str] = set()
         self._running: set[str] = set()
@@ -44,6 +70,9 @@ class EchoEngine(Engine):
     async def start(self) -> None:
         if self.options.get("fail_start"):
             raise RuntimeError("echo engine asked to fail at start (fail_start option)")
+        delay = float(self.options.get("start_delay_s") or 0.0)
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     def capabilities(self) -> set[str]:
         return {"pause", "sleep", "load_weights", "clear_kv_cache", "logprobs"}
@@ -55,11 +84,14 @@ class EchoEngine(Engine):
         self._running.add(request_id)
         try:
             if params.max_tokens == 0:
-                yield EngineOutput([], [] if params.logprobs else None, FinishReason.LENGTH.value)
+                yield EngineOutput([], [] if params.logprobs else None, _LENGTH)
                 return
             last = prompt_ids[-1] if prompt_ids else 0
             length = len(prompt_ids)
             delay = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+            # The fault length this call can reach (-1: none); one int compare per token.
+            fault_at = min((n for n in (self.fail_after, self.stall_after) if n is not None and n > length),
+                           default=-1)
             stop = set(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
                 stop.add(int(self.eos_token_id))
@@ -71,22 +103,31 @@ class EchoEngine(Engine):
                 if not self._resumed.is_set():
                     await self._resumed.wait()
                 if request_id in self._aborted:
-                    yield EngineOutput([], [] if params.logprobs else None, FinishReason.ABORT.value)
+                    yield EngineOutput([], [] if params.logprobs else None, _ABORT)
                     return
+                if length == fault_at:
+                    await self._fault(length)
                 token = echo_next_token(last, length, self.vocab_size, self.offset)
                 last, length = token, length + 1
                 self.num_tokens += 1
                 finish = None
                 if token in stop:
-                    finish = FinishReason.STOP.value
+                    finish = _STOP
                 elif i == params.max_tokens - 1:
-                    finish = FinishReason.LENGTH.value
+                    finish = _LENGTH
                 yield EngineOutput([token], [-1.0] if params.logprobs else None, finish)
                 if finish:
                     return
         finally:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
+
+    async def _fault(self, length: int) -> None:
+        if length == self.stall_after:
+            await asyncio.Event().wait()  # stuck for good; only cancellation ends it
+        if self.fail_fatal:
+            raise EngineDead(f"echo engine died at length {length} (fail_fatal option)")
+        raise RuntimeError(f"echo engine failed at length {length} (fail_generate_after option)")
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
@@ -123,3 +164,7 @@ class EchoEngine(Engine):
             "sleeping": self._sleeping,
             "offset": self.offset,
         }
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)

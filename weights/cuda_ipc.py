@@ -123,6 +123,8 @@ def release_kept() -> None:
     with _kept_lock:
         if not _kept_busy:
             _kept = None
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # frees shared blocks the receivers have let go of
 
 
 class CudaIpcChannel:

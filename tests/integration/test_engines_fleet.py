@@ -361,9 +361,9 @@ async def test_torch_worker_sigkill_resumes_its_requests_and_restart_catches_up(
         assert r.num_preemptions == (1 if f"k{i}" in moved else 0)
         assert r.worker == "w1-0"
     assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 60)
-    assert sup.slots[0].worker_id == "w0-1" and sup.slots[0].weight_version == version
+    assert sup.slots[0].weight_version == version
     results = await all_greedy(sup, "after-kill", PROMPTS[:2])
-    assert {r.worker for r in results} == {"w0-1", "w1-0"}
+    assert {r.worker for r in results} == {sup.slots[0].worker_id, "w1-0"}
     for prompt, r in zip(PROMPTS, results):
         assert r.token_ids == hf_greedy(hf_new, prompt) and r.weight_versions == [version]
 
@@ -381,7 +381,7 @@ async def test_vllm_worker_sigkill_mid_request_resumes_on_the_restarted_worker(v
     r = await asyncio.wait_for(task, 240)  # waits for a new vLLM to start and catch up
     assert r.token_ids == long_ref and r.finish_reason == "length"
     assert r.num_preemptions == 1 and r.weight_versions == [version, version]
-    assert r.worker == "w0-1" == sup.slots[0].worker_id and sup.slots[0].weight_version == version
+    assert r.worker == sup.slots[0].worker_id != victim.worker_id and sup.slots[0].weight_version == version
     assert await wait_for(lambda: gone(engine_procs), 10)  # the killed worker's engine went with it
 
 
@@ -392,6 +392,7 @@ async def test_vllm_failed_reload_is_fatal_restarts_the_worker_at_the_last_good_
     good = sup.weight_version
     victim = sup.slots[0]
     assert victim.state.value == "ready"
+    restarts = (await client.stats())["workers"][0]["restarts"]
     task = asyncio.create_task(client.generate("through-reload", PROMPTS[0], greedy(LONG)))
     await wait_tokens(sup, "through-reload", 20)
     # A valid name with the wrong shape: vLLM's reload fails half-way and the model is lost.
@@ -410,5 +411,5 @@ async def test_vllm_failed_reload_is_fatal_restarts_the_worker_at_the_last_good_
     stats = await client.stats()
     (worker,) = stats["workers"]
     assert stats["weight_version"] == good and worker["weight_version"] == good
-    assert worker["state"] == "ready" and worker["restarts"] == 2
+    assert worker["state"] == "ready" and worker["restarts"] == restarts + 1
     assert "engine died loading weights" in worker["last_error"]

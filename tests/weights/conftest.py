@@ -8,12 +8,25 @@ import pytest
 # Import hypothesis's modules now, before tests start threads: its pytest plugin otherwise
 # imports them at the very end, where CPython 3.11.7's parser can fail with "AST constructor
 # recursion depth mismatch" (a CPython bug fixed in 3.11.8).
-import hypothesis  # noqa: F401
-import hypothesis.internal.observability  # noqa: F401
+try:  # absent on some GPU machines; the tests that use it are skipped there anyway
+    import hypothesis  # noqa: F401
+    import hypothesis.internal.observability  # noqa: F401
+except ImportError:
+    pass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+@pytest.fixture(autouse=True)
+def fresh_buffers():
+    """Each test starts without transfer buffers kept by an earlier test of this process."""
+    from rollfleet.weights import release_buffers
+
+    release_buffers()
+    yield
+    release_buffers()
 
 
 @pytest.fixture

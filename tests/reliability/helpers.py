@@ -1,0 +1,74 @@
+"""Helpers of the reliability tests: echo fleets, expected tokens, leak checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import psutil
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.engines.echo import echo_next_token
+from rollfleet.weights.shm import SHM_DIR
+
+__all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids"]
+
+
+def fleet(num_workers=2, **kw):
+    options = kw.pop("engine_options", {})
+    return Supervisor(FleetConfig(engine="echo", num_workers=num_workers, engine_options=options, **kw))
+
+
+def expected_tokens(prompt, n, vocab=32000, offset=0):
+    out, last, length = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = echo_next_token(last, length, vocab, offset)
+        length += 1
+        out.append(last)
+    return out
+
+
+async def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def worker_pids(sup):
+    return {h.pid for h in sup.workers.values()}
+
+
+def segments_of(pids):
+    """rollfleet shared-memory segments in /dev/shm created by any of ``pids``."""
+    prefixes = tuple(f"rf-{pid}-" for pid in pids)
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefixes))
+    except FileNotFoundError:
+        return []
+
+
+def alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_clean(private_dir, pids, creators=()):
+    """No process of ``pids`` alive, the private directory (socket files) gone, and no
+    shared-memory segment of this process, ``pids`` or ``creators`` left."""
+    deadline = time.monotonic() + 5.0
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pids), f"orphan processes: {alive(pids)}"
+    assert private_dir is None or not os.path.exists(private_dir), f"left behind: {os.listdir(private_dir)}"
+    leaked = segments_of({os.getpid(), *pids, *creators})
+    assert not leaked, f"leaked shared-memory segments: {leaked}"

@@ -1,0 +1,272 @@
+"""Fault injection on real worker processes: every request completes, resumes or fails
+with a typed error; no orphan process, socket file or shared-memory segment remains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from rollfleet.errors import EngineFailed, RolloutError, WeightUpdateError, WorkerStartError
+from rollfleet.transport.messages import SamplingParams
+
+from .helpers import alive, assert_clean, expected_tokens, fleet, segments_of, wait_for, worker_pids
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+FAST_HB = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0}
+
+
+def start_requests(client, n, max_tokens, prompt_len=1, stream=False):
+    async def streamed(rid, prompt):
+        chunks, final = [], None
+        async for item in client.stream(rid, prompt, SamplingParams(max_tokens=max_tokens)):
+            if hasattr(item, "finish_reason"):
+                final = item
+            else:
+                chunks.extend(item.token_ids)
+        assert chunks == final.token_ids, "streamed tokens differ from the result"
+        return final
+
+    prompts = {f"r{i}": [i + 1] * prompt_len for i in range(n)}
+    if stream:
+        tasks = {rid: asyncio.create_task(streamed(rid, p)) for rid, p in prompts.items()}
+    else:
+        tasks = {rid: asyncio.create_task(client.generate(rid, p, SamplingParams(max_tokens=max_tokens)))
+                 for rid, p in prompts.items()}
+    return prompts, tasks
+
+
+async def assert_all_exact(prompts, tasks, max_tokens):
+    for rid, task in tasks.items():
+        result = await asyncio.wait_for(task, 30)
+        assert result.token_ids == expected_tokens(prompts[rid], max_tokens), rid
+        assert result.finish_reason == "length"
+
+
+def big_weights(n, nbytes, on_item=None):
+    """An update of ``n`` tensors (the echo engine ignores their values); ``on_item(i)`` runs
+    as the sender pulls the i-th tensor, i.e. in the middle of the transfer."""
+    for i in range(n):
+        if on_item is not None:
+            on_item(i)
+        yield f"layer{i}.weight", torch.zeros(nbytes // 4, dtype=torch.float32)
+    yield "offset", torch.tensor([0])
+
+
+async def test_worker_sigkill_mid_stream_resumes_every_request():
+    sup = fleet(2, engine_options={"tokens_per_s": 200}, deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        prompts, tasks = start_requests(sup.client(), 8, 60, stream=True)
+        await asyncio.sleep(0.1)
+        victim = sup.slots[0]
+        moved = {e.request_id for e in sup.table.on_worker(victim.worker_id)}
+        assert moved
+        os.kill(victim.pid, signal.SIGKILL)
+        await assert_all_exact(prompts, tasks, 60)
+        assert sup.counters["resumed"] >= len(moved) and sup.counters["failed"] == 0
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10)
+        pids |= worker_pids(sup)
+        assert len(sup.table) == 0
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_worker_sigstop_mid_stream_is_killed_and_its_requests_resume():
+    sup = fleet(2, engine_options={"tokens_per_s": 100}, deterministic_routing=True, **FAST_HB)
+    async with sup:
+        pids = worker_pids(sup)
+        prompts, tasks = start_requests(sup.client(), 6, 80)
+        await asyncio.sleep(0.1)
+        victim = sup.slots[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        await assert_all_exact(prompts, tasks, 80)
+        assert "heartbeat" in victim.last_error
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10)
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+async def test_worker_killed_or_stopped_mid_weight_update(sig):
+    sup = fleet(2, engine_options={"tokens_per_s": 200}, deterministic_routing=True,
+                weights={"transport": "shm", "bucket_bytes": 1 << 20}, **FAST_HB)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        prompts, tasks = start_requests(client, 6, 80)
+        await asyncio.sleep(0.1)
+        victim = sup.slots[0]
+
+        def hit(i):
+            if i == 3:
+                os.kill(victim.pid, sig)
+
+        try:
+            report = await asyncio.wait_for(client.update_weights(big_weights(16, 1 << 20, hit), version=1), 30)
+            outcome = "ok" if report.ok else "failed"
+        except WeightUpdateError:
+            outcome = "error"  # typed: the update names the dead worker
+        assert outcome in ("ok", "error", "failed")
+        await assert_all_exact(prompts, tasks, 80)
+        # The slot comes back, at the fleet's version, and serves.
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 15)
+        assert sup.slots[0].weight_version == sup.weight_version
+        after = await client.generate("after", [3], SamplingParams(max_tokens=5))
+        assert after.token_ids == expected_tokens([3], 5)
+        pids |= worker_pids(sup)
+        assert not segments_of({os.getpid()}), "segments outlived the update"
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_worker_killed_during_startup_of_its_restart_is_restarted_again():
+    sup = fleet(2, engine_options={"tokens_per_s": 200, "start_delay_s": 0.5}, deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        prompts, tasks = start_requests(sup.client(), 6, 100)
+        await asyncio.sleep(0.1)
+        first = sup.slots[0]
+        os.kill(first.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not first, 5)
+        second = sup.slots[0]
+        pids.add(second.pid)
+        assert second.state.value == "starting"
+        os.kill(second.pid, signal.SIGKILL)  # still inside its engine's start-up delay
+        await assert_all_exact(prompts, tasks, 100)
+        assert await wait_for(lambda: sup.slots[0] not in (first, second) and sup.slots[0].state.value == "ready", 15)
+        assert "died during start-up" in sup.slots[0].last_error or "code -9" in sup.slots[0].last_error
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_worker_killed_during_fleet_startup_fails_start_with_a_typed_error():
+    sup = fleet(2, engine_options={"start_delay_s": 1.0}, restart=None)
+    starting = asyncio.create_task(sup.start())
+    assert await wait_for(lambda: len(sup.slots) == 2, 10)
+    pids = worker_pids(sup)
+    os.kill(sup.slots[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerStartError):
+        await starting
+    assert sup.closed
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_engine_exception_fails_only_that_request_with_a_typed_error():
+    sup = fleet(2, engine_options={"tokens_per_s": 300, "fail_generate_after": 5}, deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        # Prompts of 6 tokens are past the fault; those of 1 token reach it at length 5.
+        good, good_tasks = start_requests(client, 6, 30, prompt_len=6)
+        bad = [asyncio.create_task(client.generate(f"bad{i}", [9], SamplingParams(max_tokens=30))) for i in range(3)]
+        for task in bad:
+            with pytest.raises(EngineFailed, match="fail_generate_after"):
+                await task
+        await assert_all_exact(good, good_tasks, 30)
+        assert worker_pids(sup) == pids, "a request-level engine error must not cost the worker"
+        assert sup.counters["failed"] == 3 and len(sup.table) == 0
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_fatal_engine_exception_restarts_the_worker_and_resumes_its_other_requests():
+    sup = fleet(2, engine_options={"tokens_per_s": 200, "fail_generate_after": 5, "fail_fatal": True},
+                deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        good, good_tasks = start_requests(client, 6, 60, prompt_len=6)
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineFailed, match="EngineDead"):
+            await client.generate("fatal", [9], SamplingParams(max_tokens=30))
+        await assert_all_exact(good, good_tasks, 60)
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2 and worker_pids(sup) != pids, 10)
+        stats = await sup.stats()
+        assert sum(w["restarts"] for w in stats["workers"]) == 1
+        assert any("EngineDead" in w["last_error"] for w in stats["workers"])
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_stalled_engine_is_detected_restarted_and_its_requests_resume():
+    sup = fleet(2, engine_options={"tokens_per_s": 200, "stall_after": 6}, deterministic_routing=True,
+                stall_timeout_s=1.0, heartbeat_interval_s=0.2)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        good, good_tasks = start_requests(client, 6, 100, prompt_len=6)
+        stuck = asyncio.create_task(client.generate("stuck", [9], SamplingParams(max_tokens=40)))
+        await assert_all_exact(good, good_tasks, 100)
+        result = await asyncio.wait_for(stuck, 20)
+        assert result.token_ids == expected_tokens([9], 40) and result.num_preemptions == 1
+        stats = await sup.stats()
+        assert any("stalled" in w["last_error"] for w in stats["workers"])
+        assert sum(w["restarts"] for w in stats["workers"]) == 1
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10)
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_stall_timeout_spares_paused_engines():
+    sup = fleet(1, engine_options={"tokens_per_s": 200}, stall_timeout_s=0.5, heartbeat_interval_s=0.1)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [2], SamplingParams(max_tokens=60)))
+        await asyncio.sleep(0.05)
+        await client.control("pause")
+        await asyncio.sleep(1.5)  # three stall timeouts without a token
+        await client.control("resume")
+        result = await asyncio.wait_for(task, 10)
+        assert result.token_ids == expected_tokens([2], 60) and result.num_preemptions == 0
+        assert worker_pids(sup) == pids
+    assert_clean(sup.private_dir, pids)
+
+
+SUPERVISOR_SCRIPT = textwrap.dedent("""
+    import asyncio, sys, torch
+    from rollfleet.actors import Supervisor, FleetConfig
+    from rollfleet.transport.messages import SamplingParams
+
+    async def main():
+        sup = Supervisor(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 200},
+                                     weights={"transport": "shm", "bucket_bytes": 1 << 20}))
+        await sup.start()
+        client = sup.client()
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=100000)))
+                 for i in range(8)]
+        print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+        version = 0
+        while True:
+            version += 1
+            tensors = [(f"t{i}", torch.zeros(1 << 18)) for i in range(16)] + [("offset", torch.tensor([0]))]
+            await client.update_weights(tensors, version=version)
+            if version == 2:
+                print("updating", flush=True)
+    asyncio.run(main())
+""")
+
+
+def test_supervisor_sigkill_mid_stream_and_mid_update_leaves_nothing_behind():
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        private_dir, pids = line[0], [int(p) for p in line[1:]]
+        assert len(pids) == 2 and len(alive(pids)) == 2
+        assert proc.stdout.readline().strip() == "updating"  # updates now run back to back
+        time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
+            time.sleep(0.05)
+        assert_clean(private_dir, pids, creators=[proc.pid])
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,94 @@
+"""bench/run_all runs bench scripts and writes one report: tables against baselines, the
+machine of each figure, plots, the bottleneck paragraph, and "not run" with a reason for
+what could not run. The report goes to a temporary path, never over bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_ALL = os.path.join(ROOT, "bench", "run_all")
+HERE = {"machine_cores": 2, "machine_memory_gb": 23.5, "machine_cpu": "Test CPU", "machine_gpu": "none",
+        "machine_load_1m": 0.5}
+
+
+def run_all(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    # Through this interpreter (the venv's), as `bench/run_all` re-executes itself into it anyway.
+    proc = subprocess.run([sys.executable, RUN_ALL, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_run_all_is_an_executable_script():
+    assert os.access(RUN_ALL, os.X_OK)
+    with open(RUN_ALL, encoding="utf-8") as f:
+        assert f.readline().startswith("#!")
+
+
+@pytest.mark.slow
+def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_path):
+    out, report = tmp_path / "out", tmp_path / "R.md"
+    run_all("--quick", "--only", "bench_scaling", "--out", str(out), "--report", str(report),
+            "--extra", "--workers 1,2 --receivers 1,2 --weights-mb 8 --calls 900", timeout=120)
+    metrics = json.loads((out / "bench_scaling.json").read_text())
+    for key in ("rps_1w", "rps_2w", "p99_us_1w", "p99_us_2w", "gbps_1w", "gbps_2w", "memcpy_gbps"):
+        assert metrics[key] > 0, key
+    for n in (1, 2):
+        # The loop is one thread: it cannot use more than one core, nor less than nothing.
+        assert 0 < metrics[f"supervisor_loop_cpu_{n}w"] <= 1.05
+        assert metrics[f"workers_cpu_{n}w"] >= 0 and metrics[f"bottleneck_{n}w"]
+    assert metrics["machine_cores"] >= 1
+    text = report.read_text()
+    assert text.startswith("# Benchmark results")
+    assert "| figure | value | baseline | baseline value | ratio | goal | met |" in text
+    assert "| throughput, 2 workers |" in text and "| 1 worker |" in text
+    assert "### Where the bottleneck is" in text and "event loop" in text
+    assert "`bench_rpc`: not run: not selected" in text
+    assert "| A | " in text  # the machines table names this machine
+    if (out / "bench_scaling.png").exists():  # matplotlib is an optional extra
+        assert "](results/bench_scaling.png)" in text
+        assert (tmp_path / "results" / "bench_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_missing_script_is_reported_as_not_run_with_the_reason(tmp_path):
+    report = tmp_path / "R.md"
+    proc = run_all("--only", "bench_nosuchthing", "--out", str(tmp_path / "out"), "--report", str(report))
+    assert "0 of 1 scripts reported" in proc.stdout
+    assert "`bench_nosuchthing`: not run: bench/bench_nosuchthing.py does not exist" in report.read_text()
+
+
+def test_report_compares_against_baselines_and_marks_each_machine(tmp_path):
+    """--no-run renders results already on disk; --include adds another machine's."""
+    out, gpu, report = tmp_path / "out", tmp_path / "gpu", tmp_path / "R.md"
+    out.mkdir()
+    gpu.mkdir()
+    rpc = {"raw_rtt_p50_us": 100.0, "raw_rtt_p99_us": 200.0, "fleet_rtt_p50_us": 120.0, "fleet_rtt_p99_us": 300.0,
+           "fleet_vs_raw_p50": 1.2, "raw_pipelined_rps": 40000.0, "fleet_rps_best": 10000.0,
+           "fleet_vs_raw_rps": 0.25, "goal_p50_met": True, "goal_rps_met": False, "ray_measured": False, **HERE}
+    (out / "bench_rpc.json").write_text(json.dumps(rpc))
+    weights = {"memcpy_gbps": 10.0, "shm_gbps": 6.0, "shm_vs_memcpy": 0.6, "d2d_gbps": 1000.0,
+               "cuda_ipc_gbps": 800.0, "cuda_ipc_vs_d2d": 0.8,
+               **HERE, "machine_cores": 16, "machine_gpu": "1x NVIDIA H100 80GB HBM3"}
+    (gpu / "bench_weights.json").write_text(json.dumps(weights))
+    run_all("--no-run", "--only", "bench_rpc", "bench_weights", "--out", str(out), "--include", str(gpu),
+            "--report", str(report))
+    text = report.read_text()
+    # bench_rpc, from this folder: ratio, goal and verdict; Ray absent with the reason.
+    assert "| p50 round trip, fleet, 1 worker | 120 us | raw pyzmq+msgpack | 100 us | 1.20x | ratio <= 1.5 | **yes** |" \
+        in text
+    assert "| throughput, best fleet | 10,000 req/s | raw pyzmq+msgpack, pipelined | 40,000 req/s | 0.25x | " \
+           "ratio >= 0.5 | **no** |" in text
+    assert "not measured: Ray is not installed here" in text
+    # The GPU machine's results are a second machine, and its cuda_ipc figure is there.
+    assert "| B | 16 | 23.5 GB | Test CPU | 1x NVIDIA H100 80GB HBM3 |" in text
+    assert "| cuda_ipc transport | 800 GB/s | one device-to-device copy | 1,000 GB/s | 0.80x | ratio >= 0.7 | **yes** |" \
+        in text
+    assert "| bench_weights | cuda_ipc transport | one device-to-device copy | 0.80x | ratio >= 0.7 | yes | B |" in text
+    # bench_weights was not in this folder: it was not run here, and that is said too.
+    assert "`bench_weights`: not run: no readable JSON" in text
