@@ -45,7 +45,7 @@ class LogLimiter:
             window = self._windows[kind] = [now, 0, 0, level]
         if window[1] < self.burst:
             window[1] += 1
-            self.log_to.log(level, msg, *args)
+            self.log_to.log(level, msg, *args, stacklevel=2)  # name the caller, not this helper
         else:
             window[2] += 1
 

@@ -95,7 +95,7 @@ class WeightSync:
                 tensors = named_tensors
             keep: list[tuple[str, Any]] | None = [] if self.keep_last_weights and self._source is None else None
             if keep is not None:
-                tensors = _tee(tensors, keep)
+                tensors = _tee(tensors, keep, dict(self._last or []))
             sup._paused = True
             try:
                 await self._interrupt_and_drain()
@@ -108,6 +108,12 @@ class WeightSync:
                 except WeightUpdateError as exc:
                     self.last_report = getattr(exc, "report", None)
                     logger.error("weight update to version %d failed: %s", version, exc)
+                    if keep is not None and keep:
+                        # The kept copy was partly overwritten in place: it no longer holds the
+                        # last good version, so it must not be used to bring workers up to date.
+                        logger.error("kept weights dropped; restarted workers keep their own weights "
+                                     "until the next successful update")
+                        self._last = None
                     raise
                 for h in links:
                     h.weight_version = version
@@ -140,8 +146,18 @@ class WeightSync:
             await asyncio.sleep(0.002)
 
 
-def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """Pass tensors through while keeping a CPU copy of each (for restarted workers)."""
+def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Pass tensors through while keeping a CPU copy of each (for restarted workers).
+
+    The previous update's copies are reused when name, shape and dtype match, so steady-state
+    updates copy into memory that is already there instead of allocating the model anew.
+    """
     for name, tensor in tensors:
-        keep.append((name, tensor.detach().to("cpu", copy=True)))
+        old = previous.get(name)
+        src = tensor.detach()
+        if old is not None and old.shape == src.shape and old.dtype == src.dtype:
+            old.copy_(src)
+            keep.append((name, old))
+        else:
+            keep.append((name, src.to("cpu", copy=True)))
         yield name, tensor

@@ -45,6 +45,7 @@ drift in the machine's load hits both strategies alike; the numbers add up over 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import random
@@ -388,27 +389,21 @@ def plot(path: str, phases: list[Phase], every: float) -> bool:
         left.plot([(i + 0.5) * BIN_S for i in range(len(bins))], [b / BIN_S for b in bins],
                   color=colors[s], label=f"{s}: generated")
         done = sorted(p.completions)
-        total, xs, ys = 0, [0.0], [0]
-        for t, n in done:
-            total += n
-            xs.append(t)
-            ys.append(total)
-        right.step(xs, ys, where="post", color=colors[s], label=s)
+        right.step([0.0] + [t for t, _ in done], list(itertools.accumulate([0] + [n for _, n in done])),
+                   where="post", color=colors[s], label=s)
         for u in p.updates:
             left.axvline(u, color=colors[s], linestyle=":", alpha=0.5)
     ramp = phases[0].ramp_s
     for ax in (left, right):
         ax.axvspan(0, ramp, color="0.9", zorder=0)  # the ramp: not in the measured window
-    left.set_xlabel("seconds")
-    left.set_ylabel("tokens / s reaching clients")
-    left.set_title(f"generation rate; dotted: update_weights every {every:g} s; grey: ramp")
-    left.legend()
-    left.grid(True, alpha=0.3)
-    right.set_xlabel("seconds")
-    right.set_ylabel("tokens of completed requests")
-    right.set_title("useful tokens, cumulative")
-    right.legend()
-    right.grid(True, alpha=0.3)
+    for ax, ylabel, title in ((left, "tokens / s reaching clients",
+                               f"generation rate; dotted: update_weights every {every:g} s; grey: ramp"),
+                              (right, "tokens of completed requests", "useful tokens, cumulative")):
+        ax.set_xlabel("seconds")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(True, alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -429,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("torch", "echo"), default="torch")
     parser.add_argument("--workers", type=int, default=1, help="Engine worker processes.")
     parser.add_argument("--inflight", type=int, default=32, help="Requests kept in flight (lanes).")
-    parser.add_argument("--max-tokens", type=int, help="Mean max_tokens of a request (default: per engine).")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens of a request.")
     parser.add_argument("--spread", type=float, default=0.5,
                         help="max_tokens is drawn uniformly from mean*(1 +- spread), so lanes stay out of step.")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -441,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="Per-request pace of the echo engine.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.max_tokens is None:
-        args.max_tokens = 128
     if args.duration is None:
         args.duration = 4.0 if args.quick else 30.0
     if args.every is None:
@@ -455,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--spread must be in [0, 1)")
     if args.every <= 0 or args.duration < args.every:
         parser.error("--every must be > 0 and at most --duration")
+    if args.engine == "torch" and args.prompt_len + round(args.max_tokens * (1 + args.spread)) >= 512:
+        parser.error("the tiny model holds 512 positions: lower --prompt-len, --max-tokens or --spread")
     logging.basicConfig(level=logging.WARNING)
 
     t0 = time.perf_counter()

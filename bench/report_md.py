@@ -191,9 +191,11 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     ks = sorted(int(k[5:-1]) for k in m if re.fullmatch(r"gbps_\d+w", k))
     if len(ks) > 1:
         curve = ", ".join(f"{m[f'gbps_{k}w']:.2f}" for k in ks)
-        text.append(f"Weight updates to {', '.join(map(str, ks))} receiving workers ran at {curve} GB/s (model "
-                    "bytes over update time): the trainer fills each bucket once and every receiver maps the "
-                    "same shared memory, so more receivers cost acknowledgements, not copies.")
+        change = m[f"gbps_{ks[-1]}w"] / m[f"gbps_{ks[0]}w"] - 1
+        text.append(f"Weight updates to {', '.join(map(str, ks))} receiving workers ran at {curve} GB/s (model bytes "
+                    f"over update time; {change:+.0%} from {ks[0]} to {ks[-1]}). The trainer fills each shared-memory "
+                    "bucket once for all receivers, so what grows with them is their acknowledgements and reads, "
+                    "not the trainer's copies.")
     return " ".join(text)
 
 

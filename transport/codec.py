@@ -12,6 +12,8 @@ be read, the correlation id, so the caller can answer with an ``error`` message.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import threading
 import typing
 from operator import attrgetter
@@ -34,6 +36,7 @@ DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 _RESERVED = ("v", "type", "id")
 _MISSING: Any = object()
+_NONE = type(None)
 
 
 class DecodeError(Exception):
@@ -48,7 +51,7 @@ class DecodeError(Exception):
 class _Spec:
     """What the codec needs of one message class, worked out once from its annotations."""
 
-    __slots__ = ("cls", "tag", "keys", "values", "nested", "fields")
+    __slots__ = ("cls", "tag", "keys", "values", "nested", "fields", "names", "kinds", "contents")
 
     def __init__(self, cls: type[Message]):
         hints: dict[str, Any] | None = None
@@ -71,9 +74,23 @@ class _Spec:
             names.append(f.name)
         self.cls = cls
         self.tag = cls.TYPE.value
+        self.names = tuple(names)
+        # For the fast path of decode: every tuple of value types a valid header can have
+        # (an absent field reads as None), and the fields whose contents need a check.
+        self.kinds: frozenset[tuple[type, ...]] = frozenset()
+        absent_ok = all(_NONE not in types or default is None
+                        for (_, types, _, _), default in zip(self.fields, _defaults(cls)))
+        if absent_ok and math.prod(len(types) for _, types, _, _ in self.fields) <= 64:
+            self.kinds = frozenset(itertools.product(*(types for _, types, _, _ in self.fields)))
+        self.contents = tuple((i, contents) for i, (_, _, contents, _) in enumerate(self.fields)
+                              if contents is not None)
         # Key order on the wire: v, type, id, then the fields in class order (golden vectors).
         self.keys = ("v", "type", "id", *names)
         self.values = attrgetter("id", *names) if names else (lambda msg: (msg.id,))
+
+
+def _defaults(cls: type[Message]) -> list[Any]:
+    return [f.default for f in dataclasses.fields(cls) if f.name != "id"]
 
 
 _SPECS: dict[type[Message], _Spec] = {}
@@ -142,6 +159,19 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> 
     if cls is None:
         raise DecodeError("unknown_type", f"unknown message type {type_tag!r}", msg_id)
     spec = _SPECS.get(cls) or _spec(cls)
+    # Fast path, all in C but for the container checks: the header has exactly the types
+    # a valid one may have. Anything else goes the field-by-field way, which names the
+    # field at fault.
+    found = tuple(map(header.get, spec.names))
+    if tuple(map(type, found)) in spec.kinds:
+        for i, contents in spec.contents:
+            value = found[i]
+            if value and not contents(value):
+                break
+        else:
+            values = dict(zip(spec.names, found))
+            values["id"] = msg_id
+            return _build(spec, values, type_tag, msg_id)
     values: dict[str, Any] = {"id": msg_id}
     for name, types, contents, required in spec.fields:
         value = header.get(name, _MISSING)
@@ -149,16 +179,21 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> 
             if required:
                 raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", msg_id)
             continue
-        if type(value) not in types or (contents is not None and not contents(value)):
+        # An empty container (or None) has no contents to check.
+        if type(value) not in types or (contents is not None and value and not contents(value)):
             raise DecodeError(
                 "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", msg_id
             )
         values[name] = value
+    return _build(spec, values, type_tag, msg_id)
+
+
+def _build(spec: _Spec, values: dict[str, Any], type_tag: str, msg_id: str) -> Message:
     try:
         for name in spec.nested:
             if name in values:
                 values[name] = SamplingParams.from_wire(values[name])
-        return cls(**values)
+        return spec.cls(**values)
     except (ValueError, TypeError) as exc:
         raise DecodeError("bad_field", f"{type_tag}: {exc}", msg_id) from None
 

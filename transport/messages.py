@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, ClassVar
 
 __all__ = [
@@ -138,7 +139,7 @@ class SamplingParams:
             value = data.get(name, _MISSING)
             if value is _MISSING:
                 continue
-            if type(value) not in types or (contents is not None and not contents(value)):
+            if type(value) not in types or (contents is not None and value and not contents(value)):
                 raise ValueError(f"sampling.{name}: wrong type {type(value).__name__}")
             values[name] = value
         return cls(**values)
@@ -149,8 +150,8 @@ class SamplingParams:
             # The hot case (a private copy per request). self was validated when it was
             # built, so the copy skips __init__; the stop list is the only mutable field.
             copy = _new(SamplingParams)
-            for name in _SAMPLING_FIELDS:
-                _set(copy, name, getattr(self, name))
+            for name, value in zip(_SAMPLING_FIELDS, _sampling_values(self)):
+                _set(copy, name, value)
             _set(copy, "stop_token_ids", list(self.stop_token_ids))
             return copy
         values = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
@@ -227,6 +228,7 @@ def _predicate(types: frozenset[type], contents: Any) -> Any:
 CHECKS: dict[str, Any] = {annotation: _predicate(*spec) for annotation, spec in WIRE_TYPES.items()}
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_sampling_values = attrgetter(*_SAMPLING_FIELDS)
 _SAMPLING_SPEC = tuple((f.name, *WIRE_TYPES[str(f.type)]) for f in fields(SamplingParams))
 
 
