@@ -237,10 +237,13 @@ class Supervisor:
                 self._fail(entry, FleetClosed("the fleet is shutting down"))
             handles = [h for h in self.workers.values() if h.alive]
             for h in handles:
+                if h.state is WorkerState.STARTING:
+                    h.proc.terminate()  # not connected yet: a shutdown message could not reach it
+                    continue
                 try:
                     self._send_worker(h, Shutdown(id="shutdown"))
                 except Exception:
-                    pass
+                    h.proc.terminate()
             deadline = time.monotonic() + self.config.shutdown_timeout_s
             while any(h.proc.alive() for h in handles) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -757,7 +760,7 @@ class Supervisor:
         return out
 
     async def update_weights(self, named_tensors: Any, version: int, *, transport: str | None = None,
-                             bucket_bytes: int | None = None) -> Any:
+                             bucket_bytes: int | None = None, lora: dict[str, Any] | None = None) -> Any:
         """Push new weights to every ready worker and stamp them with ``version``.
 
         ``named_tensors`` is an iterable of (name, tensor), consumed lazily (a generator lets
@@ -766,11 +769,17 @@ class Supervisor:
         interrupted and, unless they asked for hard abort, resume afterwards with their
         partial output. Returns a weights.UpdateReport.
 
+        With ``lora={'name': ..., 'config': {PEFT adapter config}}`` the tensors are a LoRA
+        adapter's, loaded through the same buckets and used for later requests (vLLM with
+        engine option enable_lora=True).
+
         Raises WeightUpdateError naming the worker and the cause (every worker then keeps
-        its previous version and generation resumes), FleetClosed, ValueError.
+        its previous version and generation resumes), Unsupported (e.g. LoRA on an engine
+        without it), FleetClosed, ValueError.
         """
         self._check_open()
-        return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes)
+        return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes,
+                                         lora=lora)
 
     def training(self, level: int = 1) -> "_Training":
         """Hybrid mode: ``async with fleet.training(): <train step>`` puts the engines to sleep

@@ -80,6 +80,7 @@ class WeightSync:
         *,
         transport: str | None = None,
         bucket_bytes: int | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> "UpdateReport":
         sup = self.sup
         if sup.closed:
@@ -87,15 +88,28 @@ class WeightSync:
         if sup.config.mode == "colocated":
             raise Unsupported("a colocated fleet takes no weight updates (mode='colocated')")
         async with self._lock:
+            if lora is not None:
+                lacking = [h.worker_id for h in sup.workers.values()
+                           if h.state is WorkerState.READY and "lora" not in h.capabilities]
+                if lacking:
+                    raise Unsupported(f"LoRA adapters are not supported by the {sup.config.engine} engine "
+                                      f"of workers {', '.join(lacking)}")
+                keep_lora = True
+            else:
+                keep_lora = False
             if callable(named_tensors):
                 self._source = named_tensors
                 tensors: NamedTensors = named_tensors()
             else:
                 self._source = None
                 tensors = named_tensors
-            keep: list[tuple[str, Any]] | None = [] if self.keep_last_weights and self._source is None else None
+            # Adapters are not base weights: they are not kept for catching up restarted workers.
+            keep: list[tuple[str, Any]] | None = (
+                [] if self.keep_last_weights and self._source is None and not keep_lora else None
+            )
+            overwritten: list[str] = []  # names whose kept copy _tee overwrote in place
             if keep is not None:
-                tensors = _tee(tensors, keep, dict(self._last or []))
+                tensors = _tee(tensors, keep, dict(self._last or []), overwritten)
             sup._paused = True
             try:
                 await self._interrupt_and_drain()
@@ -104,11 +118,11 @@ class WeightSync:
                     raise WeightUpdateError("no ready worker to update")
                 sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
                 try:
-                    report = await sender.update(tensors, version, links)
+                    report = await sender.update(tensors, version, links, lora=lora)
                 except WeightUpdateError as exc:
                     self.last_report = getattr(exc, "report", None)
                     logger.error("weight update to version %d failed: %s", version, exc)
-                    if keep is not None and keep:
+                    if overwritten:
                         # The kept copy was partly overwritten in place: it no longer holds the
                         # last good version, so it must not be used to bring workers up to date.
                         logger.error("kept weights dropped; restarted workers keep their own weights "
@@ -146,7 +160,8 @@ class WeightSync:
             await asyncio.sleep(0.002)
 
 
-def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any],
+         overwritten: list[str]) -> Iterator[tuple[str, Any]]:
     """Pass tensors through while keeping a CPU copy of each (for restarted workers).
 
     The previous update's copies are reused when name, shape and dtype match, so steady-state
@@ -157,6 +172,7 @@ def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str,
         src = tensor.detach()
         if old is not None and old.shape == src.shape and old.dtype == src.dtype:
             old.copy_(src)
+            overwritten.append(name)
             keep.append((name, old))
         else:
             keep.append((name, src.to("cpu", copy=True)))

@@ -1,7 +1,8 @@
 """Partial rollouts: useful tokens/s of a steady request stream while weights update every k s.
 
-Two strategies, measured on the same fleet with the same workload (the same prompts and
-lengths, from a seeded generator):
+Two strategies, each with the same workload (the same prompts and lengths, from a seeded
+generator), measured side by side: each on a fleet of its own, at the same time, so a
+change in the machine's load (other work on a shared machine) hits both alike:
 
 - ``resume`` (rollfleet's default): at an update, running requests are interrupted, keep
   their partial tokens, and continue under the new weights from where they were.
@@ -36,15 +37,16 @@ The default engine is ``torch`` (the tiny random Llama, real forward passes on t
 ``--engine echo`` paces tokens with ``--echo-tokens-per-s`` instead.
 
     python bench/bench_resume.py --quick --json bench/out/resume.json   # < 1 min on 2 cores
-    python bench/bench_resume.py --json bench/out/resume.json            # ~4-5 min
+    python bench/bench_resume.py --json bench/out/resume.json            # ~2 min
 
-Phases run in the order resume, restart, restart, resume, ... (``--rounds`` pairs), so a
-drift in the machine's load hits both strategies alike; the numbers add up over rounds.
+``--sequential`` runs both on one fleet instead, in turns (resume, restart, restart,
+resume, ...; ``--rounds`` windows each), for a machine that cannot hold two fleets (one GPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -52,9 +54,11 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 from common import bench_parser, machine_info, png_path, print_table, write_json
 
 from rollfleet.actors import FleetConfig, StreamChunk, Supervisor
@@ -83,6 +87,8 @@ class Phase:
     """Tokens the engines generated from the lanes' start to the end."""
     engine_tokens_window: int = 0
     """The same, within the measurement window only."""
+    engine_cpu_window_s: float = 0.0
+    """CPU time the engine processes got within the window (on a shared machine, their share)."""
     engine_requests: int = 0
     """Requests the engines started, fresh or resumed; each began with a prefill."""
     num_completed: int = 0
@@ -112,7 +118,8 @@ class Phase:
         return self.engine_tokens - self.useful_tokens - self.tail_tokens
 
 
-def workload(lane: int, seed: int, prompt_len: int, max_tokens: int, spread: float, vocab: int):
+def workload(lane: int, seed: int, prompt_len: int, max_tokens: int, spread: float,
+             vocab: int) -> Iterator[tuple[list[int], int]]:
     """An endless, reproducible sequence of (prompt, max_tokens) for one lane."""
     rng = random.Random(seed * 100_003 + lane)
     low = max(1, round(max_tokens * (1 - spread)))
@@ -122,15 +129,21 @@ def workload(lane: int, seed: int, prompt_len: int, max_tokens: int, spread: flo
         yield [rng.randrange(3, vocab) for _ in range(prompt_len)], rng.randint(low, high)
 
 
-async def engine_counts(sup: Supervisor) -> tuple[int, int]:
-    """(tokens generated, requests started) summed over the fleet's engines."""
+async def engine_counts(sup: Supervisor) -> tuple[int, int, float]:
+    """(tokens generated, requests started, CPU seconds used) summed over the fleet's engines."""
     stats = await sup.stats()
     tokens = requests = 0
+    cpu_s = 0.0
     for worker in stats["workers"]:
         engine = worker.get("engine_stats") or {}
         tokens += int(engine.get("num_tokens", 0))
         requests += int(engine.get("num_requests", 0))
-    return tokens, requests
+        try:
+            times = psutil.Process(worker["pid"]).cpu_times()
+            cpu_s += times.user + times.system
+        except (psutil.Error, KeyError, TypeError):
+            pass  # a worker gone or not reporting its pid: its share is simply not counted
+    return tokens, requests, cpu_s
 
 
 class Bench:
@@ -171,7 +184,7 @@ class Bench:
         running: dict[int, str] = {}  # lane -> request id in flight
         ended_by_us: set[str] = set()
         first_chunk: dict[int, float] = {}  # weight version -> time its first token arrived
-        tokens0, requests0 = await engine_counts(self.sup)
+        tokens0, requests0, _ = await engine_counts(self.sup)
         t0 = time.perf_counter()
 
         async def lane(i: int) -> None:
@@ -234,7 +247,7 @@ class Bench:
                 await asyncio.sleep(0.005)
             out.pauses_ms.extend((first_chunk[v] - t) * 1e3 for v, t in calls if v in first_chunk)
 
-        async def window_open() -> tuple[int, int]:
+        async def window_open() -> tuple[int, int, float]:
             await asyncio.sleep(max(0.0, t0 + out.ramp_s - time.perf_counter()))
             return await engine_counts(self.sup)
 
@@ -242,18 +255,19 @@ class Bench:
         updates = asyncio.create_task(updater())
         opened = asyncio.create_task(window_open())
         await asyncio.sleep(max(0.0, t0 + total_s - time.perf_counter()))
-        tokens_open, _ = await opened
+        tokens_open, _, cpu_open = await opened
         out.wall_s = time.perf_counter() - t0
-        tokens_close, _ = await engine_counts(self.sup)
+        tokens_close, _, cpu_close = await engine_counts(self.sup)
         stop.set()
         for rid in list(running.values()):
             ended_by_us.add(rid)
             await self.client.abort(rid)
         await asyncio.gather(*lanes)
         await updates  # its last pause may still have been waiting for a token
-        tokens1, requests1 = await engine_counts(self.sup)
+        tokens1, requests1, _ = await engine_counts(self.sup)
         out.engine_tokens, out.engine_requests = tokens1 - tokens0, requests1 - requests0
         out.engine_tokens_window = tokens_close - tokens_open
+        out.engine_cpu_window_s = cpu_close - cpu_open
         return out
 
 
@@ -277,20 +291,31 @@ def fleet_config(args: Any) -> tuple[FleetConfig, list[tuple[str, Any]], int]:
 async def measure(args: Any) -> tuple[list[Phase], float]:
     config, weights, vocab = fleet_config(args)
     t = time.perf_counter()
-    async with Supervisor(config) as sup:
+    async with contextlib.AsyncExitStack() as stack:
+        sups = [Supervisor(config) for _ in range(1 if args.sequential else len(STRATEGIES))]
+        for sup in sups:
+            stack.push_async_callback(sup.shutdown)
+        await asyncio.gather(*(sup.start() for sup in sups))
         start_s = time.perf_counter() - t
-        bench = Bench(sup, args, weights, vocab)
-        await bench.warm_up()
-        order = []
+        benches = [Bench(sup, args, weights, vocab) for sup in sups]
+        await asyncio.gather(*(b.warm_up() for b in benches))
+        phases: list[Phase] = []
         for r in range(args.rounds):
-            order += list(STRATEGIES) if r % 2 == 0 else list(reversed(STRATEGIES))
-        phases = []
-        for index, strategy in enumerate(order):
-            phases.append(await bench.phase(strategy, index))
-            p = phases[-1]
-            print(f"  {strategy:8s} window {index + 1}/{len(order)}: {p.useful_window / p.window_s:,.0f} useful "
-                  f"tokens/s, {p.engine_tokens_window / p.window_s:,.0f} generated", flush=True)
+            if args.sequential:  # one fleet, strategies in turns: A B B A ...
+                for strategy in STRATEGIES if r % 2 == 0 else reversed(STRATEGIES):
+                    phases.append(await benches[0].phase(strategy, len(phases)))
+                    report_window(phases[-1], r)
+            else:  # a fleet per strategy, side by side: the same machine state for both
+                done = await asyncio.gather(*(b.phase(s, r) for b, s in zip(benches, STRATEGIES)))
+                for p in done:
+                    report_window(p, r)
+                phases += done
     return phases, start_s
+
+
+def report_window(p: Phase, r: int) -> None:
+    print(f"  round {r + 1} {p.strategy:8s}: {p.useful_window / p.window_s:,.0f} useful tokens/s, "
+          f"{p.engine_tokens_window / p.window_s:,.0f} generated", flush=True)
 
 
 def median(values: list[float]) -> float | None:
@@ -302,6 +327,7 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
         "quick": args.quick, "engine": args.engine, "workers": args.workers, "inflight": args.inflight,
         "max_tokens": args.max_tokens, "spread": args.spread, "prompt_len": args.prompt_len,
         "duration_s": args.duration, "update_every_s": args.every, "rounds": args.rounds,
+        "side_by_side": not args.sequential,
     }
     for s in STRATEGIES:
         ps = [p for p in phases if p.strategy == s]
@@ -313,6 +339,11 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
         calls = [x for p in ps for x in p.update_call_ms]
         m[f"{s}_tps"] = sum(p.useful_window for p in ps) / window
         m[f"generated_tps_{s}"] = sum(p.engine_tokens_window for p in ps) / window
+        # Per CPU second the engines got: fair between strategies even when other work on the
+        # machine gave one fleet's worker more CPU than the other's.
+        cpu = sum(p.engine_cpu_window_s for p in ps)
+        m[f"engine_cpu_share_{s}"] = cpu / window
+        m[f"useful_per_cpu_s_{s}"] = sum(p.useful_window for p in ps) / cpu if cpu > 0 else None
         m[f"useful_tokens_{s}"] = sum(p.useful_tokens for p in ps)
         m[f"generated_tokens_{s}"] = engine
         m[f"wasted_tokens_{s}"] = wasted
@@ -336,20 +367,24 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
         m[f"window_s_{s}"] = window
     m["update_pause_ms"] = m["update_pause_ms_resume"]  # the library's default path
     m["resume_vs_restart_tps"] = m["resume_tps"] / m["restart_tps"] if m["restart_tps"] else None
+    if m.get("useful_per_cpu_s_resume") and m.get("useful_per_cpu_s_restart"):
+        m["resume_vs_restart_per_cpu"] = m["useful_per_cpu_s_resume"] / m["useful_per_cpu_s_restart"]
     return {k: v for k, v in m.items() if v is not None}
 
 
 def report(m: dict[str, Any]) -> None:
     title = (f"{m['inflight']} requests in flight on {m['workers']} {m['engine']} worker(s), max_tokens "
              f"{m['max_tokens']}±{m['spread']:.0%}, prompt {m['prompt_len']}, update every {m['update_every_s']:g} s, "
-             f"{m['rounds']}x{m['duration_s']:g} s measured per strategy; {m['machine_cores']} cores, "
+             f"{m['rounds']}x{m['duration_s']:g} s measured per strategy "
+             f"{'side by side' if m['side_by_side'] else 'in turns'}; {m['machine_cores']} cores, "
              f"load {m['machine_load_1m']} at start, {m['load_1m_end']} at end{' (quick)' if m['quick'] else ''}")
     print()
-    print_table(["strategy", "useful tok/s", "generated tok/s", "completed", "mean tokens", "wasted tokens",
-                 "wasted (client)", "wasted/update", "wasted %"],
-                [(s, m[f"{s}_tps"], m[f"generated_tps_{s}"], m[f"completed_{s}"],
-                  m.get(f"completed_mean_tokens_{s}"), m[f"wasted_tokens_{s}"], m[f"wasted_tokens_{s}_client"],
-                  m[f"wasted_per_update_{s}"], 100 * m[f"wasted_fraction_{s}"]) for s in STRATEGIES],
+    print_table(["strategy", "useful tok/s", "generated tok/s", "engine CPU", "useful tok/CPU-s", "completed",
+                 "mean tokens", "wasted tokens", "wasted (client)", "wasted/update", "wasted %"],
+                [(s, m[f"{s}_tps"], m[f"generated_tps_{s}"], m[f"engine_cpu_share_{s}"],
+                  m.get(f"useful_per_cpu_s_{s}"), m[f"completed_{s}"], m.get(f"completed_mean_tokens_{s}"),
+                  m[f"wasted_tokens_{s}"], m[f"wasted_tokens_{s}_client"], m[f"wasted_per_update_{s}"],
+                  100 * m[f"wasted_fraction_{s}"]) for s in STRATEGIES],
                 title=title)
     print()
     print_table(["strategy", "updates", "restarts", "resumes", "engine requests", "pause p50 ms", "pause max ms",
@@ -357,10 +392,11 @@ def report(m: dict[str, Any]) -> None:
                 [(s, m[f"updates_{s}"], m[f"restarts_{s}"], m[f"preemptions_{s}"], m[f"engine_requests_{s}"],
                   m.get(f"update_pause_ms_{s}"), m.get(f"update_pause_max_ms_{s}"), m.get(f"update_call_ms_{s}"))
                  for s in STRATEGIES])
-    ratio = m.get("resume_vs_restart_tps")
-    print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio else "\nrestart completed nothing")
-    print("pause: from the update_weights call to the first token of the new version at a client; "
-          "mean tokens: per completed request")
+    ratio, per_cpu = m.get("resume_vs_restart_tps"), m.get("resume_vs_restart_per_cpu")
+    print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio else "\nrestart completed nothing", end="")
+    print(f"; per engine CPU second: {per_cpu:.2f}x" if per_cpu else "")
+    print("engine CPU: cores' worth the engine processes got; pause: from the update_weights call to the "
+          "first token of the new version at a client; mean tokens: per completed request")
     for s in STRATEGIES:
         if m[f"wrong_length_{s}"]:
             print(f"WARNING: {m[f'wrong_length_{s}']} completed {s} requests do not hold max_tokens tokens")
@@ -431,17 +467,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float,
                         help="Seconds of each measurement window (after a ramp of one update interval).")
     parser.add_argument("--every", type=float, help="Seconds between weight updates.")
-    parser.add_argument("--rounds", type=int, help="Windows per strategy, in the order A B B A ...")
+    parser.add_argument("--rounds", type=int, help="Measured windows per strategy.")
+    parser.add_argument("--sequential", action="store_true",
+                        help="One fleet, strategies in turns (A B B A ...), instead of a fleet per strategy "
+                             "side by side (for a machine that cannot hold two fleets, e.g. one GPU).")
     parser.add_argument("--echo-tokens-per-s", type=float, default=100.0,
                         help="Per-request pace of the echo engine.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.duration is None:
-        args.duration = 4.0 if args.quick else 30.0
+        args.duration = 8.0 if args.quick else 30.0
     if args.every is None:
         args.every = 2.0 if args.quick else 3.0
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 3
+        args.rounds = 1 if args.quick else 3
     if min(args.workers, args.inflight, args.max_tokens, args.prompt_len, args.rounds) < 1:
         parser.error("--workers, --inflight, --max-tokens, --prompt-len and --rounds must be >= 1")
     if not 0 <= args.spread < 1:

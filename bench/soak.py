@@ -1,0 +1,237 @@
+"""Soak: mixed load on an echo fleet for a while, with random worker kills and weight updates.
+
+Every request must end as completed (tokens checked exactly), aborted on purpose, or failed
+with a typed RolloutError; anything else (an untyped exception, no answer in time, wrong
+tokens) is counted as lost. After shutdown no worker process, socket file or shared-memory
+segment may remain.
+
+    python bench/soak.py                 # 10 minutes
+    python bench/soak.py --quick         # 1 minute
+    python bench/soak.py --duration 3600 --workers 8 --json out/soak.json
+
+Exit status 1 when anything was lost, wrong or left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+
+import psutil
+
+from common import bench_parser, machine_info, print_table, write_json
+
+from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
+from rollfleet.engines.echo import echo_next_token
+from rollfleet.errors import RolloutError, WeightUpdateError
+from rollfleet.transport.messages import SamplingParams
+from rollfleet.weights.shm import SHM_DIR
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    out, last, length = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = echo_next_token(last, length, 32000)
+        length += 1
+        out.append(last)
+    return out
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.counts: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.pids: set[int] = set()
+        self.stop = asyncio.Event()
+        self.next_id = 0
+
+    async def one(self, client) -> None:
+        rng = self.rng
+        self.next_id += 1
+        rid = f"q{self.next_id}"
+        prompt = [rng.randrange(1, 32000) for _ in range(rng.randrange(1, 9))]
+        n = rng.randrange(1, 200)
+        resume = rng.random() > 0.1
+        stream = rng.random() < 0.3
+        abort_after = rng.uniform(0.01, 0.3) if rng.random() < 0.05 else None
+        params = SamplingParams(max_tokens=n)
+        try:
+            if abort_after is not None:
+                asyncio.get_running_loop().call_later(abort_after, lambda: asyncio.ensure_future(client.abort(rid)))
+            if stream:
+                streamed, result = [], None
+                async for item in client.stream(rid, prompt, params, resume=resume, timeout=self.args.timeout):
+                    if hasattr(item, "finish_reason"):
+                        result = item
+                    else:
+                        streamed.extend(item.token_ids)
+                if streamed != result.token_ids:
+                    self.counts["wrong"] += 1
+                    return
+            else:
+                result = await client.generate(rid, prompt, params, resume=resume, timeout=self.args.timeout)
+        except RolloutError as exc:
+            if exc.code == "timeout":
+                self.counts["lost"] += 1  # no answer within the deadline
+            else:
+                self.counts["failed_typed"] += 1
+                self.errors[exc.code] += 1
+            return
+        except Exception as exc:  # untyped: a bug
+            self.counts["lost"] += 1
+            self.errors[type(exc).__name__] += 1
+            return
+        want = expected(prompt, n)
+        if result.finish_reason == "abort":
+            ok = result.token_ids == want[: len(result.token_ids)]
+            self.counts["aborted" if ok else "wrong"] += 1
+            return
+        if result.token_ids != want:
+            self.counts["wrong"] += 1
+            return
+        self.counts["completed"] += 1
+        if result.num_preemptions:
+            self.counts["resumed"] += 1
+
+    async def load(self, client) -> None:
+        while not self.stop.is_set():
+            await self.one(client)
+
+    async def chaos(self, sup) -> None:
+        loop = asyncio.get_running_loop()
+        next_kill = loop.time() + self.args.kill_every
+        while not self.stop.is_set():
+            await asyncio.sleep(0.2)
+            self.pids |= {h.pid for h in sup.workers.values()}
+            if loop.time() < next_kill:
+                continue
+            next_kill = loop.time() + self.args.kill_every * self.rng.uniform(0.5, 1.5)
+            ready = sup.ready_workers()
+            if len(ready) < 2:
+                continue  # keep one worker serving
+            victim = self.rng.choice(ready)
+            sig = signal.SIGKILL if self.rng.random() < 0.7 else signal.SIGSTOP
+            try:
+                os.kill(victim.pid, sig)
+                self.counts["kills" if sig == signal.SIGKILL else "stops"] += 1
+            except ProcessLookupError:
+                pass
+
+    async def updates(self, client) -> None:
+        import torch
+
+        version = 0
+        while not self.stop.is_set():
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.args.update_every)
+                return
+            except asyncio.TimeoutError:
+                pass
+            version += 1
+            tensors = [("offset", torch.tensor([0])), ("layer.weight", torch.zeros(1 << 18))]
+            try:
+                await client.update_weights(tensors, version=version)
+                self.counts["updates_ok"] += 1
+            except WeightUpdateError:
+                self.counts["updates_failed"] += 1  # typed; a worker died during it
+
+    async def run(self) -> dict:
+        args = self.args
+        cfg = FleetConfig(
+            engine="echo", num_workers=args.workers, engine_options={"tokens_per_s": args.tokens_per_s},
+            # 10 s, not less: a worker blocks its loop importing torch on its first weight update.
+            heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0, stall_timeout_s=30.0,
+            restart=RestartPolicy(max_restarts=10_000, window_s=60.0, backoff_s=0.1, max_backoff_s=1.0),
+            weights={"transport": "shm", "bucket_bytes": 1 << 20}, max_resume_attempts=32)
+        sup = Supervisor(cfg)
+        await sup.start()
+        private_dir = sup.private_dir
+        client = sup.client()
+        me = psutil.Process()
+        rss0 = me.memory_info().rss
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(self.load(client)) for _ in range(args.concurrency)]
+        tasks += [asyncio.create_task(self.chaos(sup)), asyncio.create_task(self.updates(client))]
+        try:
+            await asyncio.sleep(args.duration)
+        finally:
+            self.stop.set()
+            done, pending = await asyncio.wait(tasks, timeout=args.timeout + 30)
+            for t in pending:
+                t.cancel()
+            self.counts["lost"] += len(pending)  # a load task stuck past every deadline
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    self.counts["lost"] += 1
+                    self.errors[repr(t.exception())[:60]] += 1
+            elapsed = time.monotonic() - t0
+            stats = await sup.stats(engines=False)
+            self.pids |= {h.pid for h in sup.workers.values()}
+            rss1 = me.memory_info().rss
+            await sup.shutdown()
+        time.sleep(1.0)  # let killed processes be reaped
+        orphans = [p for p in self.pids if _alive(p)]
+        orphans += [c.pid for c in me.children(recursive=True) if c.pid not in orphans and _alive(c.pid)]
+        prefixes = tuple(f"rf-{pid}-" for pid in {os.getpid(), *self.pids})
+        leaked = [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)] if os.path.isdir(SHM_DIR) else []
+        c = self.counts
+        total = c["completed"] + c["aborted"] + c["failed_typed"] + c["lost"] + c["wrong"]
+        return {
+            "duration_s": round(elapsed, 1), "workers": args.workers, "concurrency": args.concurrency,
+            "requests": total, "completed": c["completed"], "resumed": c["resumed"], "aborted": c["aborted"],
+            "failed_typed": c["failed_typed"], "lost": c["lost"], "wrong_tokens": c["wrong"],
+            "worker_kills": c["kills"], "worker_stops": c["stops"], "restarts": sum(w["restarts"] for w in stats["workers"]),
+            "updates_ok": c["updates_ok"], "updates_failed": c["updates_failed"],
+            "requests_per_s": round(total / elapsed, 1) if elapsed else 0.0,
+            "orphans": len(orphans), "leaked_shm": len(leaked), "private_dir_left": os.path.exists(private_dir),
+            "supervisor_rss_growth_mb": round((rss1 - rss0) / 2**20, 1),
+            "error_codes": ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "-",
+            "quick": bool(args.quick),
+        }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def main() -> int:
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=None, help="Seconds of load (default 600; --quick 60).")
+    parser.add_argument("--workers", type=int, default=4, help="Echo workers (default 4).")
+    parser.add_argument("--concurrency", type=int, default=64, help="Requests kept in flight (default 64).")
+    parser.add_argument("--kill-every", type=float, default=None, help="Mean seconds between worker kills (default 15; --quick 6).")
+    parser.add_argument("--update-every", type=float, default=None, help="Seconds between weight updates (default 20; --quick 8).")
+    parser.add_argument("--tokens-per-s", type=float, default=500.0, help="Echo pacing per request (default 500).")
+    parser.add_argument("--timeout", type=float, default=120.0, help="Per-request deadline; past it a request is lost.")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.duration = args.duration or (60.0 if args.quick else 600.0)
+    args.kill_every = args.kill_every or (6.0 if args.quick else 15.0)
+    args.update_every = args.update_every or (8.0 if args.quick else 20.0)
+    if args.workers < 2:
+        parser.error("--workers must be >= 2 (one always stays up while another is killed)")
+    print(f"soak: {args.duration:.0f}s, {args.workers} echo workers, {args.concurrency} in flight, "
+          f"a kill every ~{args.kill_every:.0f}s, an update every {args.update_every:.0f}s")
+    metrics = asyncio.run(Soak(args).run())
+    rows = [(k, v) for k, v in metrics.items()]
+    print_table(["metric", "value"], rows, title="soak results")
+    bad = metrics["lost"] + metrics["wrong_tokens"] + metrics["orphans"] + metrics["leaked_shm"]
+    bad += int(metrics["private_dir_left"])
+    if args.json:
+        write_json(args.json, {**metrics, **machine_info(), "passed": bad == 0})
+    print("PASSED" if bad == 0 else "FAILED: requests lost or resources left behind")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
