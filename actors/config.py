@@ -73,8 +73,9 @@ class FleetConfig:
     """Timeout of control calls to workers (stats, sleep, ...)."""
     resume: bool = True
     """Default for requests: resume after a weight update or a dead worker (else hard abort)."""
-    max_resume_attempts: int = 8
-    """Most times one request is interrupted and resumed before it fails with ResumeExhausted."""
+    max_resume_attempts: int = 64
+    """Most times one request is interrupted and resumed before it fails with ResumeExhausted
+    (RL jobs update weights often: a long rollout may see many updates)."""
     max_inflight_per_client: int = 100_000
     """Requests one client may have in flight; more are refused with 'overloaded'."""
     restart: RestartPolicy | None = field(default_factory=RestartPolicy)
@@ -99,6 +100,12 @@ class FleetConfig:
     means a stuck engine: the worker is killed and restarted and its requests resume. Set
     it above the longest legitimate wait (queueing in a full engine, a long prefill); checks
     pause while the engines are paused or asleep. None: off."""
+    accept_remote_workers: bool = False
+    """Also serve workers that node agents on other hosts start (actors.node): a worker the
+    supervisor did not spawn is admitted when it connects over CurveZMQ with a key admitted
+    through ``Supervisor.allow_worker_key`` (node.publish_router does that from the job's
+    store) and registers an id of the form ``<node>/<slot>-<generation>``. Needs a tcp://
+    ``worker_addr`` and ``curve_keys_dir``. Their node agents restart them, not the supervisor."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port (0: a free one, see
     Supervisor.metrics_address); needs prometheus-client. None: off."""
@@ -121,6 +128,8 @@ class FleetConfig:
             raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
         if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
+        if self.accept_remote_workers and not (self.curve_keys_dir and (self.worker_addr or "").startswith("tcp://")):
+            raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
 

@@ -14,7 +14,7 @@ from ..errors import RequestTimeout, WorkerLost, from_code
 from ..transport.messages import Message
 from .process import WorkerProcess
 
-__all__ = ["WorkerState", "WorkerHandle"]
+__all__ = ["WorkerState", "WorkerHandle", "RemoteProcess"]
 
 _call_ids = itertools.count(1)
 
@@ -29,7 +29,7 @@ class WorkerState(str, enum.Enum):
 class WorkerHandle:
     """One incarnation of a worker. A restart creates a new handle with a new id."""
 
-    def __init__(self, *, index: int, generation: int, device: str, proc: WorkerProcess,
+    def __init__(self, *, index: int, generation: int, device: str, proc: "WorkerProcess | RemoteProcess",
                  send: Callable[["WorkerHandle", Message], None]):
         self.index = index
         self.generation = generation
@@ -116,6 +116,57 @@ class WorkerHandle:
             "restarts": restarts,
             "last_error": self.last_error,
         }
+
+
+class RemoteProcess:
+    """The process of a worker on another node, as far as the supervisor can know it.
+
+    It stands where a WorkerProcess stands for a local worker, with the same methods, but
+    the supervisor neither spawned it nor can signal it: its node agent does both (and
+    restarts it). ``terminate`` and ``kill`` ask it to stop with a Shutdown message and
+    count it gone at once; it is also gone when it reports WorkerExit, misses heartbeats or
+    becomes unreachable (``lost``). The monitor loop then takes the usual death path.
+    """
+
+    remote = True
+    pidfd = None  # nothing to watch: the monitor loop polls alive()
+
+    def __init__(self, worker_id: str, pid: int, host: str, stop: Callable[[], None]):
+        self.worker_id = worker_id
+        self.pid = pid
+        self.host = host
+        self._stop = stop
+        self._gone = False
+
+    def alive(self) -> bool:
+        return not self._gone
+
+    @property
+    def returncode(self) -> int | None:
+        return None  # exit codes stay on the worker's node
+
+    def lost(self) -> None:
+        self._gone = True
+
+    def terminate(self) -> None:
+        if not self._gone:
+            self._gone = True
+            try:
+                self._stop()
+            except Exception:  # unreachable already: nothing more to do from here
+                pass
+
+    def kill(self) -> None:
+        self.terminate()
+
+    def close(self) -> None:
+        pass
+
+    def remember_descendants(self) -> None:
+        pass
+
+    def stderr_tail(self) -> str:
+        return f"(the output of remote worker {self.worker_id} is in its node agent's log on {self.host})"
 
 
 class RestartTracker:

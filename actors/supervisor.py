@@ -53,7 +53,7 @@ from ..transport.messages import (
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
 from .config import FleetConfig
-from .handle import RestartTracker, WorkerHandle, WorkerState
+from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
 from .metrics import LogLimiter, MetricsExporter
 from .process import WorkerProcess, device_env
@@ -89,6 +89,7 @@ class Supervisor:
         self.frontend_address: str | None = None
         self.counters = {"completed": 0, "aborted": 0, "failed": 0, "resumed": 0, "cancelled": 0}
         self._restarts: dict[int, RestartTracker] = {}
+        self._remote_slots: dict[str, int] = {}  # '<node>/<slot>' of a remote worker -> index
         self._pending: deque[Entry] = deque()
         self._per_origin: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
@@ -237,6 +238,9 @@ class Supervisor:
                 self._fail(entry, FleetClosed("the fleet is shutting down"))
             handles = [h for h in self.workers.values() if h.alive]
             for h in handles:
+                if isinstance(h.proc, RemoteProcess):
+                    h.proc.terminate()  # a Shutdown message; its node agent reaps the process
+                    continue
                 if h.state is WorkerState.STARTING:
                     h.proc.terminate()  # not connected yet: a shutdown message could not reach it
                     continue
@@ -334,8 +338,8 @@ class Supervisor:
                 self._preempt(entry)
             else:
                 self._fail(entry, WorkerLost(f"worker {handle.worker_id} died: {reason}", request_id=entry.request_id))
-        if not self.closed and was_ready:
-            self._schedule_restart(handle.index)
+        if not self.closed and was_ready and not isinstance(handle.proc, RemoteProcess):
+            self._schedule_restart(handle.index)  # remote workers are restarted by their node agent
         self._pump()
 
     def _schedule_restart(self, index: int) -> None:
@@ -423,7 +427,59 @@ class Supervisor:
     # ================================================================== worker socket
     def _send_worker(self, handle: WorkerHandle, msg: Message) -> None:
         # (identity, header)
-        self._wsock.send([handle.identity, codec.encode(msg)])
+        try:
+            self._wsock.send([handle.identity, codec.encode(msg)])
+        except zmq.ZMQError as exc:
+            if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
+                # Its connection is gone: the monitor loop takes the death path.
+                handle.last_error = handle.last_error or f"remote worker unreachable: {exc}"
+                handle.proc.lost()
+            raise
+
+    def allow_worker_key(self, public_key: str | bytes) -> None:
+        """Admit workers that connect with this CurveZMQ public key (Z85), e.g. a node
+        agent's (see actors.node.publish_router). Safe to call from any thread."""
+        if self._auth is None:
+            raise RuntimeError("worker keys need a started supervisor with curve_keys_dir")
+        self._auth.allow(public_key.encode() if isinstance(public_key, str) else public_key)
+
+    def _admit_remote(self, identity: bytes, frames: list[bytes]) -> WorkerHandle | None:
+        """A Register from a worker some node agent started: give it a handle and a slot.
+
+        Only its id's form is checked here; the connection passed CurveZMQ with an admitted
+        key, or it would not have reached this socket. Its slot ('<node>/<slot>') keeps its
+        index across the restarts its agent makes."""
+        try:
+            msg = codec.decode(frames[1:2], self._max_bytes)
+        except codec.DecodeError:
+            return None
+        worker_id = identity.decode("utf-8", "replace")
+        slot, _, generation = worker_id.rpartition("-")
+        if not isinstance(msg, Register) or msg.worker_id != worker_id or "/" not in slot or not generation.isdigit():
+            return None
+        index = self._remote_slots.get(slot)
+        if index is None:
+            index = self.config.num_workers + len(self._remote_slots)
+            self._remote_slots[slot] = index
+            self._restarts[index] = RestartTracker()
+        else:
+            self._restarts[index].record()
+            previous = self.slots.get(index)
+            if previous is not None and previous.worker_id in self.workers:
+                previous.last_error = previous.last_error or f"replaced by {worker_id}"
+                previous.proc.lost()
+                self._on_worker_dead(previous, previous.last_error)
+
+        def stop() -> None:
+            self._send_worker(handle, Shutdown(id="shutdown"))
+
+        proc = RemoteProcess(worker_id, msg.pid, msg.host, stop)
+        handle = WorkerHandle(index=index, generation=int(generation), device=msg.device, proc=proc,
+                              send=self._send_worker)
+        self.workers[worker_id] = handle
+        self.slots[index] = handle
+        logger.info("remote worker %s on %s connected", worker_id, msg.host or "?")
+        return handle
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         # (identity, header, *buffers)
@@ -432,6 +488,8 @@ class Supervisor:
             return
         identity = frames[0]
         handle = self.workers.get(identity.decode("utf-8", "replace"))
+        if handle is None and self.config.accept_remote_workers and not self.closed:
+            handle = self._admit_remote(identity, frames)
         if handle is None:
             self._drops.log("unregistered_identity", logging.WARNING,
                             "dropped a message from unregistered identity %r", identity[:64])
@@ -460,6 +518,8 @@ class Supervisor:
         elif isinstance(msg, WorkerExit):
             handle.last_error = msg.reason
             self.router.set_available(handle.worker_id, False)
+            if isinstance(handle.proc, RemoteProcess):
+                handle.proc.lost()  # no pidfd to fire: the monitor loop takes the death path
             if not handle.registered.done():
                 handle.registered.set_exception(
                     WorkerStartError(f"worker {handle.worker_id} failed to start: {msg.reason}\n{handle.proc.stderr_tail()}")

@@ -114,7 +114,7 @@ class EngineWorker:
                     device=self.config.get("device", "cpu"),
                     capabilities=sorted(self.engine.capabilities()),
                     weight_version=self.weight_version,
-                    host=socket.gethostname(),
+                    host=self.config.get("host") or socket.gethostname(),  # a node agent may name its node
                 )
             )
             tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat")]

@@ -352,7 +352,7 @@ def metrics(args: Any, phases: list[Phase]) -> dict[str, Any]:
         m[f"wasted_fraction_{s}"] = wasted / max(1, engine)
         m[f"tail_tokens_{s}"] = sum(p.tail_tokens for p in ps)
         m[f"completed_{s}"] = sum(p.num_completed for p in ps)
-        # Restart finishes short requests and keeps losing long ones: a length bias in the samples.
+        # When restart keeps losing long requests, the ones it completes are shorter: a length bias.
         m[f"completed_mean_tokens_{s}"] = (sum(p.useful_tokens for p in ps) / m[f"completed_{s}"]
                                            if m[f"completed_{s}"] else None)
         m[f"restarts_{s}"] = sum(p.num_restarts for p in ps)

@@ -1,0 +1,341 @@
+"""Multi-node fleets the torchrun way: each node supervises its own workers.
+
+The job's supervisor (one process, usually rank 0) serves workers on a tcp:// ROUTER with
+CurveZMQ. Every other node runs a NodeAgent, which spawns, watches and restarts that
+node's workers, as torchrun's agent does for trainer ranks. No extra service: the router's
+address and server key, and each node's public key, go through a torch.distributed Store
+that the job already has (the torchrun rendezvous store, or any TCPStore the nodes reach).
+
+Keys under ``<prefix>/`` in the store:
+
+- ``router``: JSON {address, server_key, engine, engine_options, heartbeat_interval_s,
+  max_message_bytes}, written by ``publish_router``;
+- ``nodes``: a counter; agent n writes ``node/<n>/name`` and ``node/<n>/public`` (its
+  CurveZMQ public key, Z85) and waits for ``node/<n>/admitted``, which the publisher
+  writes once the supervisor accepts that key;
+- ``closed``: set when the supervisor has shut down; agents then stop.
+
+Anyone who can write to the store can admit a key, so the store must be reachable only by
+the job's own nodes, as torchrun's store already must be.
+
+Run an agent with ``python -m rollfleet.actors.node --store HOST:PORT --workers N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from .config import RestartPolicy
+from .handle import RestartTracker
+from .process import WorkerProcess, device_env
+
+__all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "DEFAULT_PREFIX"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "rollfleet"
+
+
+def _reachable_address(address: str, host: str | None) -> str:
+    """The worker address as other nodes must dial it: a wildcard bind gets a host name."""
+    scheme, _, rest = address.partition("://")
+    bound, _, port = rest.rpartition(":")
+    if host is None and bound.strip("[]") not in ("0.0.0.0", "*", "::", ""):
+        return address
+    return f"{scheme}://{host or socket.getfqdn()}:{port}"
+
+
+class RouterPublication:
+    """What ``publish_router`` leaves running: a thread that admits node keys as agents
+    write them into the store, and marks the store closed when the supervisor shuts down."""
+
+    def __init__(self, store: Any, supervisor: Any, prefix: str, poll_s: float):
+        self.store = store
+        self.supervisor = supervisor
+        self.prefix = prefix
+        self.poll_s = poll_s
+        self.admitted: list[str] = []  # node names, in order of admission
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rollfleet-node-keys", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        index = 0
+        while not self._stop.is_set():
+            if self.supervisor.closed:
+                self._mark_closed()
+                return
+            try:
+                # The store is used from this thread only, after publish_router returned.
+                key = f"{self.prefix}/node/{index}/public"
+                if self.store.check([key]):
+                    public = self.store.get(key).decode()
+                    name = self.store.get(f"{self.prefix}/node/{index}/name").decode()
+                    self.supervisor.allow_worker_key(public)
+                    self.store.set(f"{self.prefix}/node/{index}/admitted", "1")
+                    self.admitted.append(name)
+                    logger.info("admitted node %s (%d)", name, index)
+                    index += 1
+                    continue
+            except Exception as exc:  # a store that went away ends the watch, not the job
+                if not self._stop.is_set():
+                    logger.error("node key watch stopped: %r", exc)
+                return
+            self._stop.wait(self.poll_s)
+
+    def _mark_closed(self) -> None:
+        try:
+            self.store.set(f"{self.prefix}/closed", "1")
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Stop admitting nodes and tell their agents the job is over."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._mark_closed()
+
+
+def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX, host: str | None = None,
+                   poll_s: float = 0.1) -> RouterPublication:
+    """Put a started supervisor's worker address and server key into ``store`` for node
+    agents, and admit the keys they publish. ``host`` replaces the bound host in the address
+    (needed for a wildcard bind; default then: this host's FQDN).
+
+    The supervisor needs ``accept_remote_workers=True`` (with its tcp:// worker_addr and
+    curve_keys_dir). Call ``close()`` on the result, or just shut the supervisor down."""
+    cfg = supervisor.config
+    if not cfg.accept_remote_workers:
+        raise ValueError("the supervisor does not accept remote workers (FleetConfig.accept_remote_workers)")
+    if not supervisor.worker_address.startswith("tcp://") or supervisor._server_keys is None:
+        raise RuntimeError("publish_router needs a started supervisor with a tcp:// worker socket and curve keys")
+    info = {
+        "address": _reachable_address(supervisor.worker_address, host),
+        "server_key": supervisor._server_keys[0].decode(),
+        "engine": cfg.engine,
+        "engine_options": cfg.engine_options,
+        "heartbeat_interval_s": cfg.heartbeat_interval_s,
+        "max_message_bytes": cfg.max_message_bytes,
+    }
+    store.set(f"{prefix}/router", json.dumps(info))
+    logger.info("published router %s under %r", info["address"], prefix)
+    return RouterPublication(store, supervisor, prefix, poll_s)
+
+
+class NodeAgent:
+    """Spawns and supervises this node's workers for a fleet whose router is in ``store``.
+
+    ``name`` is the node's name: workers register it as their host, so the supervisor sends
+    them weights over the collective transport when it differs from its own host name
+    (default: this host's name). Worker ids are ``<name>.<agent pid>/w<i>-<generation>``.
+    ``engine``/``engine_options`` default to the fleet's. Workers die with the agent (their
+    death pipe), and the agent stops when the store says the fleet closed or is gone.
+    """
+
+    def __init__(self, store: Any, *, engine: str | None = None, engine_options: dict[str, Any] | None = None,
+                 num_workers: int = 1, devices: list[str] | None = None, prefix: str = DEFAULT_PREFIX,
+                 name: str | None = None, restart: RestartPolicy | None = None,
+                 worker_env: dict[str, str] | None = None, private_dir_root: str | None = None):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if devices is not None and len(devices) != num_workers:
+            raise ValueError(f"devices has {len(devices)} entries for {num_workers} workers")
+        name = name or socket.gethostname()
+        if "/" in name or not name:
+            raise ValueError(f"a node name must be non-empty and without '/', got {name!r}")
+        self.store = store
+        self.engine = engine
+        self.engine_options = engine_options
+        self.num_workers = num_workers
+        self.devices = devices or ["cpu"] * num_workers
+        self.prefix = prefix
+        self.name = name
+        self.node_id = f"{name}.{os.getpid()}"
+        self.restart = RestartPolicy() if restart is None else restart
+        self.worker_env = dict(worker_env or {})
+        self.private_dir_root = private_dir_root
+        self.private_dir: str | None = None
+        self.procs: dict[int, WorkerProcess] = {}
+        self._trackers = {i: RestartTracker() for i in range(num_workers)}
+        self._restart_at: dict[int, float] = {}  # slot -> when to respawn it
+        self._router: dict[str, Any] = {}
+        self._keys: tuple[bytes, bytes] | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Join the fleet: read the router, publish this node's key, wait for admission
+        (each store read waits up to the store's timeout), spawn the workers."""
+        p = self.prefix
+        self._router = json.loads(self.store.get(f"{p}/router"))
+        self._keys = zmq.curve_keypair()
+        index = self.store.add(f"{p}/nodes", 1) - 1
+        self.store.set(f"{p}/node/{index}/name", self.node_id)
+        self.store.set(f"{p}/node/{index}/public", self._keys[0].decode())
+        self.store.get(f"{p}/node/{index}/admitted")
+        self.private_dir = tempfile.mkdtemp(prefix="rollfleet-node-", dir=self.private_dir_root)
+        os.chmod(self.private_dir, 0o700)
+        with self._lock:
+            for i in range(self.num_workers):
+                self._spawn(i)
+        self._thread = threading.Thread(target=self._monitor, name="rollfleet-node-agent", daemon=True)
+        self._thread.start()
+        logger.info("node %s joined %s with %d workers", self.node_id, self._router["address"], self.num_workers)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the agent stops (fleet closed, store gone, shutdown()); True if it did."""
+        return self._done.wait(timeout)
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop every worker (SIGTERM to its tree, then SIGKILL) and remove the private dir."""
+        self._done.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            procs, self.procs = list(self.procs.values()), {}
+        for proc in procs:
+            proc.terminate()
+        deadline = time.monotonic() + grace_s
+        while any(p.alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for proc in procs:
+            proc.kill()
+            proc.close()
+        if self.private_dir:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self, index: int) -> None:
+        assert self._keys is not None and self.private_dir is not None
+        router = self._router
+        engine = self.engine or router["engine"]
+        options = dict(router["engine_options"] if self.engine_options is None else self.engine_options)
+        device = self.devices[index]
+        options.setdefault("private_dir", self.private_dir)
+        options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
+        worker_id = f"{self.node_id}/w{index}-{self._trackers[index].total}"
+        env = dict(self.worker_env)
+        env.update(device_env(device))
+        self.procs[index] = WorkerProcess(
+            worker_id,
+            {
+                "worker_id": worker_id,
+                "addr": router["address"],
+                "engine": engine,
+                "engine_options": options,
+                "device": device,
+                "host": self.name,
+                "heartbeat_interval_s": router["heartbeat_interval_s"],
+                "max_message_bytes": router["max_message_bytes"],
+                "private_dir": self.private_dir,
+                "weight_version": 0,  # the supervisor brings it to the fleet's version
+                "curve_client_keys": [k.decode() for k in (*self._keys, router["server_key"].encode())],
+                "log_level": logging.getLevelName(logging.getLogger("rollfleet").getEffectiveLevel()),
+            },
+            env,
+            os.path.join(self.private_dir, f"w{index}.log"),
+        )
+
+    def _fleet_closed(self) -> bool:
+        try:
+            return bool(self.store.check([f"{self.prefix}/closed"]))
+        except Exception as exc:  # the job's store is gone: so is the job
+            logger.warning("store unreachable (%r); stopping", exc)
+            return True
+
+    def _monitor(self) -> None:
+        last_check = 0.0
+        while not self._done.wait(0.1):
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                if self._fleet_closed():
+                    logger.info("fleet closed; node %s stops", self.node_id)
+                    self._done.set()
+                    return
+            with self._lock:
+                self._reap_and_restart(now)
+
+    def _reap_and_restart(self, now: float) -> None:
+        for index, proc in list(self.procs.items()):
+            if proc.alive():
+                continue
+            code = proc.returncode
+            del self.procs[index]
+            proc.close()
+            if self._fleet_closed():
+                return
+            policy, tracker = self.restart, self._trackers[index]
+            recent = tracker.recent(policy.window_s)
+            if recent >= policy.max_restarts:
+                logger.error("worker %s exited (%s) %d times in %.0fs; giving up on it",
+                             proc.worker_id, code, recent + 1, policy.window_s)
+                continue
+            logger.warning("worker %s exited with code %s; restarting it", proc.worker_id, code)
+            tracker.record()
+            self._restart_at[index] = now + min(policy.backoff_s * (2**recent), policy.max_backoff_s)
+        for index, when in list(self._restart_at.items()):
+            if now >= when:
+                del self._restart_at[index]
+                self._spawn(index)
+
+
+def connect_store(address: str, timeout_s: float) -> Any:
+    """A client of the TCPStore at ``host:port``."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--store must be HOST:PORT, got {address!r}")
+    return dist.TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=timeout_s))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollfleet.actors.node",
+                                     description="Run this node's rollfleet workers for a fleet on another host.")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix the supervisor published under")
+    parser.add_argument("--workers", type=int, default=1, help="workers on this node")
+    parser.add_argument("--devices", default="", help="comma-separated device per worker (default: cpu)")
+    parser.add_argument("--engine", default=None, help="engine (default: the fleet's)")
+    parser.add_argument("--engine-options", default=None, help="JSON engine options (default: the fleet's)")
+    parser.add_argument("--name", default=None,
+                        help="this node's name, registered as the workers' host (default: the host name); "
+                             "a name other than the supervisor's host makes weights go over the collective")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the store and admission")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
+    options = json.loads(args.engine_options) if args.engine_options else None
+    agent = NodeAgent(connect_store(args.store, args.timeout), engine=args.engine, engine_options=options,
+                      num_workers=args.workers, devices=devices, prefix=args.prefix, name=args.name)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        agent.start()
+        while not stop.is_set() and not agent.wait(0.2):
+            pass
+    finally:
+        agent.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
