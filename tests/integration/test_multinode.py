@@ -1,0 +1,217 @@
+"""Multi-node: a node agent on a second host (a network namespace joined by a veth pair)
+runs workers that register with the supervisor over CurveZMQ, serve requests and take
+weights over the collective transport.
+
+Needs root and ``ip netns`` (namespaces are created and removed by the test); skipped
+with the reason otherwise.
+"""
+
+import asyncio
+import datetime
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.actors.node import publish_router
+from rollfleet.engines.echo import echo_next_token
+from rollfleet.transport.auth import make_keys
+from rollfleet.transport.messages import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
+
+
+def _why_no_netns() -> str | None:
+    if not zmq.has("curve"):
+        return "libzmq without CurveZMQ"
+    if os.name != "posix" or os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is missing"
+    name = f"rfprobe{os.getpid()}"
+    probe = _ip("netns", "add", name, check=False)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace: {probe.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+class Namespace:
+    """A second 'host': namespace ``name`` with 10.213.N.2/30, reached from here at 10.213.N.1."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+        self.name = f"rfnode{tag}"
+        self.veth = f"rfv{tag}"
+        net = random.randrange(1, 255)
+        self.host_ip, self.node_ip = f"10.213.{net}.1", f"10.213.{net}.2"
+
+    def __enter__(self) -> "Namespace":
+        try:
+            _ip("netns", "add", self.name)
+            _ip("link", "add", self.veth, "type", "veth", "peer", "name", self.veth + "n")
+            _ip("link", "set", self.veth + "n", "netns", self.name)
+            _ip("addr", "add", f"{self.host_ip}/30", "dev", self.veth)
+            _ip("link", "set", self.veth, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.node_ip}/30", "dev", self.veth + "n")
+            _ip("-n", self.name, "link", "set", self.veth + "n", "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def pids(self) -> list[int]:
+        out = _ip("netns", "pids", self.name, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def remove(self) -> None:
+        for pid in self.pids():  # nothing should be left; never leave a stray process behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _ip("link", "del", self.veth, check=False)
+        _ip("netns", "del", self.name, check=False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def expected_tokens(prompt: list[int], n: int, offset: int = 0) -> list[int]:
+    last, length, out = prompt[-1], len(prompt), []
+    for _ in range(n):
+        last = echo_next_token(last, length, 32000, offset)
+        length += 1
+        out.append(last)
+    return out
+
+
+async def _until(predicate, timeout: float, what: str, log: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tail = open(log).read()[-3000:] if log and os.path.exists(log) else ""
+            raise AssertionError(f"timed out waiting for {what}\n{tail}")
+        await asyncio.sleep(0.05)
+
+
+WHY_NOT = _why_no_netns()
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-node test skipped: {WHY_NOT}")
+@pytest.mark.timeout(120)
+async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    agent_log = str(tmp_path / "agent.log")
+    with Namespace() as ns:
+        store = torch.distributed.TCPStore(ns.host_ip, 0, None, True, datetime.timedelta(seconds=30),
+                                           wait_for_workers=False)
+        node = f"{ns.name}-host"  # the node's name: differs from this host's, as a real second host's would
+        config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://{ns.host_ip}:0", curve_keys_dir=keys,
+                             accept_remote_workers=True, deterministic_routing=True, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                             weights={"master_addr": ns.host_ip, "bucket_bytes": 1 << 16, "timeout_s": 30.0})
+        agent = None
+        try:
+            async with Supervisor(config) as sup:
+                publication = publish_router(store, sup)
+                with open(agent_log, "wb") as log:
+                    agent = subprocess.Popen(
+                        ["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
+                         "--store", f"{ns.host_ip}:{store.port}", "--workers", "1", "--name", node,
+                         "--timeout", "30", "--engine-options", '{"tokens_per_s": 100}'],
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+                def remote_ready():
+                    return [h for h in sup.ready_workers() if "/" in h.worker_id]
+
+                await _until(lambda: remote_ready(), 60, "the remote worker to register", agent_log)
+                assert publication.admitted and publication.admitted[0].startswith(node)
+                (remote,) = remote_ready()
+                assert remote.worker_id.startswith(f"{node}.") and remote.worker_id.endswith("/w0-0")
+                assert remote.host == node
+                # It runs in the other namespace: its pid is one of the namespace's.
+                assert remote.pid in ns.pids()
+
+                stats = await sup.stats()
+                rows = {w["worker_id"]: w for w in stats["workers"]}
+                assert rows[remote.worker_id]["state"] == "ready"
+                assert rows[remote.worker_id]["host"] == node
+                assert stats["num_workers"] == 2
+
+                client = sup.client()
+                prompt = [5, 6, 7]
+                results = await asyncio.gather(*(client.generate(f"a{i}", prompt, SamplingParams(max_tokens=8))
+                                                 for i in range(8)))
+                by_worker = {r.worker for r in results}
+                assert remote.worker_id in by_worker and len(by_worker) == 2
+                assert all(r.token_ids == expected_tokens(prompt, 8) for r in results)
+
+                report = await sup.update_weights([("offset", torch.tensor([3]))], version=1)
+                assert report.ok
+                transports = {w: r.transport for w, r in report.workers.items()}
+                assert transports[remote.worker_id] == "collective"
+                local = next(w for w in transports if w != remote.worker_id)
+                assert transports[local] == "shm"
+
+                results = await asyncio.gather(*(client.generate(f"b{i}", prompt, SamplingParams(max_tokens=8))
+                                                 for i in range(8)))
+                remote_results = [r for r in results if r.worker == remote.worker_id]
+                assert remote_results
+                for r in results:
+                    assert r.token_ids == expected_tokens(prompt, 8, offset=3)
+                    assert r.weight_versions == [1]
+                stats = await sup.stats()
+                rows = {w["worker_id"]: w for w in stats["workers"]}
+                assert rows[remote.worker_id]["engine_stats"]["offset"] == 3
+                assert rows[remote.worker_id]["weight_version"] == 1
+
+                # The remote worker dies mid-request: the request resumes on the local worker,
+                # the agent starts a new incarnation, and the supervisor brings it to version 1
+                # over the collective before it serves.
+                sup.router.set_available(local, False)  # the next request goes to the remote worker
+                slow = asyncio.create_task(client.generate("slow", prompt, SamplingParams(max_tokens=200)))
+                await _until(lambda: sup.table.on_worker(remote.worker_id), 10, "the request to reach the remote")
+                sup.router.set_available(local, True)
+                await asyncio.sleep(0.3)  # some tokens were made remotely
+                os.kill(remote.pid, signal.SIGKILL)
+                result = await asyncio.wait_for(slow, 30)
+                assert result.token_ids == expected_tokens(prompt, 200, offset=3)
+                assert result.num_preemptions == 1 and result.worker == local
+
+                await _until(lambda: remote_ready(), 30, "the restarted remote worker", agent_log)
+                (again,) = remote_ready()
+                assert again.worker_id.endswith("/w0-1") and again.index == remote.index
+                assert again.weight_version == 1 and again.pid in ns.pids()
+                sup.router.set_available(local, False)
+                r = await client.generate("after", prompt, SamplingParams(max_tokens=5))
+                sup.router.set_available(local, True)
+                assert r.worker == again.worker_id and r.token_ids == expected_tokens(prompt, 5, offset=3)
+                rows = {w["worker_id"]: w for w in (await sup.stats())["workers"]}
+                assert rows[again.worker_id]["restarts"] == 1
+            # The supervisor shut down: its remote worker was told to stop and the store says
+            # the fleet closed, so the agent exits by itself.
+            assert agent.wait(timeout=20) == 0, open(agent_log).read()[-3000:]
+            publication.close()
+            deadline = time.monotonic() + 10
+            while ns.pids() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ns.pids() == [], "processes left in the node's namespace"
+        finally:
+            if agent is not None and agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(timeout=10)
+            del store
