@@ -18,7 +18,11 @@ Keys under ``<prefix>/`` in the store:
 Anyone who can write to the store can admit a key, so the store must be reachable only by
 the job's own nodes, as torchrun's store already must be.
 
-Run an agent with ``python -m rollfleet.actors.node --store HOST:PORT --workers N``.
+Run an agent with ``python -m rollfleet.actors.node --store HOST:PORT --workers N``, or
+in-process: ``NodeAgent(store, num_workers=N).start()``. Under torchrun every rank already
+shares the rendezvous store: after ``init_process_group``, rank 0 starts the Supervisor and
+calls ``publish_router(dist.distributed_c10d._get_default_store(), sup)``, and local rank
+0 of each other node starts a NodeAgent on that same store.
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ __all__ = ["Supervisor"]
 logger = logging.getLogger(__name__)
 
 LOCAL = "local"
+# Enum values are properties: read them once, not on every request.
+_ABORT = FinishReason.ABORT.value
+_LENGTH = FinishReason.LENGTH.value
 
 
 class Supervisor:
@@ -149,12 +152,14 @@ class Supervisor:
             self._server_keys = server_keys
             tcp_workers = self.worker_address.startswith("tcp://")
             sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts,
-                               curve_server_keys=server_keys if tcp_workers else None)
+                               curve_server_keys=server_keys if tcp_workers else None,
+                               zap_domain=auth.WORKER_DOMAIN if server_keys and tcp_workers else None)
             self._wsock = LoopSocket(sock, self._on_worker_frames)
             self.worker_address = sock.LAST_ENDPOINT.decode()
             if cfg.frontend_addr:
                 sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts,
-                                   curve_server_keys=server_keys)
+                                   curve_server_keys=server_keys,
+                                   zap_domain=auth.CLIENT_DOMAIN if server_keys else None)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
             if cfg.metrics_port is not None:
@@ -333,7 +338,7 @@ class Supervisor:
         for entry in self.table.on_worker(handle.worker_id):
             self.table.unbind(entry)
             if entry.state is State.ABORTING:
-                self._complete(entry, FinishReason.ABORT.value)
+                self._complete(entry, _ABORT)
             elif entry.resume:
                 self._preempt(entry)
             else:
@@ -622,7 +627,9 @@ class Supervisor:
         params = entry.params
         if entry.token_ids:  # a resumed request continues from its partial output
             params = params.replace(max_tokens=entry.remaining_tokens)
-        msg = Generate(id=inner, prompt_ids=entry.prompt_ids + entry.token_ids, sampling=params, stream=True)
+        # Encoded before anything else runs, so the first attempt can send the entry's own list.
+        prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
+        msg = Generate(id=inner, prompt_ids=prompt_ids, sampling=params, stream=True)
         try:
             self._send_worker(handle, msg)
         except zmq.ZMQError as exc:  # the worker vanished between choose() and send
@@ -680,9 +687,9 @@ class Supervisor:
                              logprobs=entry.logprobs[streamed:] if entry.logprobs is not None else None,
                              weight_version=entry.segment_version or 0))
         self.table.unbind(entry)
-        if msg.finish_reason == FinishReason.ABORT.value and entry.state is State.INTERRUPTED:
+        if msg.finish_reason == _ABORT and entry.state is State.INTERRUPTED:
             if entry.remaining_tokens <= 0:
-                self._complete(entry, FinishReason.LENGTH.value)
+                self._complete(entry, _LENGTH)
             else:
                 self._preempt(entry)
                 self._pump()
@@ -728,7 +735,7 @@ class Supervisor:
     def _complete(self, entry: Entry, finish_reason: str, worker: str = "") -> None:
         worker = worker or entry.worker_id or ""
         self._finish(entry)
-        self.counters["aborted" if finish_reason == FinishReason.ABORT.value else "completed"] += 1
+        self.counters["aborted" if finish_reason == _ABORT else "completed"] += 1
         now = time.monotonic()
         timings = {"total": now - entry.t_created}
         if entry.t_dispatched is not None:
@@ -759,7 +766,7 @@ class Supervisor:
             return False
         if entry.inner_id is None or entry.worker_id is None:  # waiting, not on a worker
             entry.state = State.ABORTING
-            self._complete(entry, FinishReason.ABORT.value)
+            self._complete(entry, _ABORT)
             return True
         entry.state = State.ABORTING
         self._abort_on_worker(entry)

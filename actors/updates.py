@@ -10,7 +10,9 @@ The Supervisor owns one WeightSync. An update:
 5. resumes dispatching, whatever happened, so a failed update never leaves the fleet stuck.
 
 A worker restarted later is brought to the current version before it serves, from the last
-update's tensors (kept on the CPU when ``keep_last_weights``) or from a callable source.
+update's tensors (kept on the CPU when ``keep_last_weights``: two copies used in turn, so a
+failed update never damages the last good one) or from a callable source. A worker left with
+partly applied weights by a failed update is restored the same way.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class WeightSync:
         self.drain_timeout_s = drain_timeout_s
         self._lock = asyncio.Lock()
         self._source: Callable[[], NamedTensors] | None = None
-        self._last: list[tuple[str, Any]] | None = None
+        self._last: list[tuple[str, Any]] | None = None  # the last good version
+        self._spare: list[tuple[str, Any]] | None = None  # the copy before it, reused as scratch
         self._last_lora: dict[str, Any] | None = None
         self.last_report: "UpdateReport | None" = None
         self.num_updates = 0
@@ -64,13 +67,39 @@ class WeightSync:
     async def catch_up(self, handle: WorkerHandle) -> None:
         """Bring a (re)started worker to the fleet's current version before it serves."""
         async with self._lock:
-            if not self.needs_catch_up(handle):
-                return
-            version = self.sup.weight_version
-            tensors = self._source() if self._source is not None else list(self._last or [])
-            logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
-            await self._sender().update(tensors, version, [handle])
-            handle.weight_version = version
+            await self._catch_up_locked(handle)
+
+    async def _catch_up_locked(self, handle: WorkerHandle) -> None:
+        if not self.needs_catch_up(handle):
+            return
+        version = self.sup.weight_version
+        tensors = self._source() if self._source is not None else list(self._last or [])
+        logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
+        await self._sender().update(tensors, version, [handle])
+        handle.weight_version = version
+
+    async def _repair(self, links: list[WorkerHandle]) -> None:
+        """After a failed update: a worker that applied part of it before the failure reports
+        version -1 (its weights are a mix); bring it back to the last good version."""
+        from ..transport.messages import Stats
+
+        for handle in links:
+            if not handle.alive:
+                continue
+            try:
+                data = await handle.call(Stats(id=handle.next_call_id()), self.sup.config.call_timeout_s)
+            except Exception as exc:  # dead or hung: the death path takes it from here
+                logger.warning("could not check worker %s after a failed update: %s", handle.worker_id, exc)
+                continue
+            handle.weight_version = int(data.get("weight_version", handle.weight_version))
+            if handle.weight_version == self.sup.weight_version:
+                continue
+            try:
+                await self._catch_up_locked(handle)
+            except Exception as exc:
+                handle.last_error = f"left with partly applied weights and could not be restored: {exc}"
+                logger.error("worker %s: %s; restarting it", handle.worker_id, handle.last_error)
+                handle.proc.kill()  # restarted, then caught up before it serves
 
     # ------------------------------------------------------------------ update
     async def update(
@@ -107,9 +136,10 @@ class WeightSync:
             keep: list[tuple[str, Any]] | None = (
                 [] if self.keep_last_weights and self._source is None and not keep_lora else None
             )
-            overwritten: list[str] = []  # names whose kept copy _tee overwrote in place
             if keep is not None:
-                tensors = _tee(tensors, keep, dict(self._last or []), overwritten)
+                # Two kept copies, used in turn: this update writes into the older one, so the
+                # last good version stays intact whatever happens to this update.
+                tensors = _tee(tensors, keep, dict(self._spare or []))
             sup._paused = True
             try:
                 await self._interrupt_and_drain()
@@ -122,18 +152,13 @@ class WeightSync:
                 except WeightUpdateError as exc:
                     self.last_report = getattr(exc, "report", None)
                     logger.error("weight update to version %d failed: %s", version, exc)
-                    if overwritten:
-                        # The kept copy was partly overwritten in place: it no longer holds the
-                        # last good version, so it must not be used to bring workers up to date.
-                        logger.error("kept weights dropped; restarted workers keep their own weights "
-                                     "until the next successful update")
-                        self._last = None
+                    await self._repair(links)
                     raise
                 for h in links:
                     h.weight_version = version
                 sup.weight_version = version
                 if keep is not None:
-                    self._last = keep
+                    self._spare, self._last = self._last, keep
                 self.last_report = report
                 self.num_updates += 1
                 return report
@@ -160,8 +185,7 @@ class WeightSync:
             await asyncio.sleep(0.002)
 
 
-def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any],
-         overwritten: list[str]) -> Iterator[tuple[str, Any]]:
+def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Pass tensors through while keeping a CPU copy of each (for restarted workers).
 
     The previous update's copies are reused when name, shape and dtype match, so steady-state
@@ -172,7 +196,6 @@ def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str,
         src = tensor.detach()
         if old is not None and old.shape == src.shape and old.dtype == src.dtype:
             old.copy_(src)
-            overwritten.append(name)
             keep.append((name, old))
         else:
             keep.append((name, src.to("cpu", copy=True)))

@@ -105,6 +105,9 @@ class EngineWorker:
                 traceback.print_exc()
                 self._send(WorkerExit(id="start", reason=f"engine failed to start: {exc!r}"))
                 return 3
+            # The first weight update would import torch and the receiver on the loop and
+            # stall heartbeats for seconds; import them in a thread now instead.
+            asyncio.get_running_loop().run_in_executor(None, _preimport_weights)
             self._send(
                 Register(
                     id="register",
@@ -338,8 +341,9 @@ class EngineWorker:
                 if _is_fatal(exc) or getattr(self.engine, "dead", False):
                     await self._fatal(f"engine died loading weights: {exc!r}")
                 return
-            if isinstance(msg, WeightsEnd) and msg.commit:
-                self.weight_version = msg.version
+            if isinstance(msg, WeightsEnd):
+                # Committed: the new version. Aborted: unchanged, or -1 if part of it was applied.
+                self.weight_version = int(data.get("version", self.weight_version))
             self._send(Reply(id=msg.id, data=data))
 
     def stats(self) -> dict[str, Any]:
@@ -390,6 +394,15 @@ class _Continue(collections.abc.Coroutine):  # type: ignore[type-arg]
 
 
 _HANDED_OVER = object()
+
+
+def _preimport_weights() -> None:
+    try:
+        import importlib
+
+        importlib.import_module("rollfleet.weights.receiver")
+    except Exception:  # reported when an update actually needs it
+        pass
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

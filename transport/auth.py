@@ -18,7 +18,16 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["is_loopback_address", "check_bind", "make_keys", "load_server_keys", "load_client_keys", "Authenticator"]
+__all__ = [
+    "is_loopback_address",
+    "check_bind",
+    "make_keys",
+    "load_server_keys",
+    "load_client_keys",
+    "Authenticator",
+    "CLIENT_DOMAIN",
+    "WORKER_DOMAIN",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,35 +87,49 @@ def load_client_keys(directory: str) -> tuple[bytes, bytes, bytes]:
     return public, secret, server_public
 
 
-class Authenticator:
-    """ZAP handler admitting only authorized client keys (plus keys added at run time)."""
+CLIENT_DOMAIN = "rollfleet-clients"
+WORKER_DOMAIN = "rollfleet-workers"
 
-    def __init__(self, ctx: zmq.Context, keys_dir: str):
-        self.allowed: set[bytes] = set()
-        authorized = os.path.join(keys_dir, "authorized")
-        if os.path.isdir(authorized):
-            self.allowed.update(zmq.auth.load_certificates(authorized).keys())
-        self._thread = ThreadAuthenticator(ctx, log=logger)
-        self._thread.start()
-        self._thread.configure_curve_callback(domain="*", credentials_provider=self)
 
-    def allow(self, public_key: bytes) -> None:
-        self.allowed.add(public_key)
+class _KeySet:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.keys: set[bytes] = set()
 
     def callback(self, domain: str, key: bytes) -> bool:
         # pyzmq hands over the Z85 form (as certificates hold it); accept raw 32 bytes too.
         if len(key) == 32:
             key = zmq.utils.z85.encode(key)
-        ok = key in self.allowed
+        ok = key in self.keys
         if not ok:
-            logger.warning("refused a connection with an unknown CurveZMQ key")
+            logger.warning("refused a %s connection with an unknown CurveZMQ key", self.name)
         return ok
+
+
+class Authenticator:
+    """ZAP handler with two key sets, one per socket (ZAP domain): clients may only reach the
+    client socket, workers only the worker socket. A client key can never register a worker."""
+
+    def __init__(self, ctx: zmq.Context, keys_dir: str):
+        self.clients = _KeySet("client")
+        self.workers = _KeySet("worker")
+        authorized = os.path.join(keys_dir, "authorized")
+        if os.path.isdir(authorized):
+            self.clients.keys.update(zmq.auth.load_certificates(authorized).keys())
+        self._thread = ThreadAuthenticator(ctx, log=logger)
+        self._thread.start()
+        self._thread.configure_curve_callback(domain=CLIENT_DOMAIN, credentials_provider=self.clients)
+        self._thread.configure_curve_callback(domain=WORKER_DOMAIN, credentials_provider=self.workers)
+
+    def allow(self, public_key: bytes) -> None:
+        """Admit a worker key (Z85) on the worker socket."""
+        self.workers.keys.add(public_key)
+
+    def allow_client(self, public_key: bytes) -> None:
+        self.clients.keys.add(public_key)
 
     def stop(self) -> None:
         self._thread.stop()
-
-    def __repr__(self) -> str:  # pragma: no cover
-        return f"Authenticator({len(self.allowed)} keys)"
 
 
 def as_str_keys(keys: Any) -> list[str]:

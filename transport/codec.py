@@ -149,7 +149,8 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
     msg_id = header.get("id")
     if type(msg_id) is not str:
         raise DecodeError("bad_field", "field 'id' must be a string")
-    if header.get("v") != PROTOCOL_VERSION:
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 and 1.0 == 1 are not versions
         raise DecodeError(
             "version_mismatch", f"protocol version {header.get('v')!r} != {PROTOCOL_VERSION}", msg_id
         )

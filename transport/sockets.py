@@ -36,11 +36,13 @@ def make_socket(
     options: SocketOptions | None = None,
     curve_server_keys: tuple[bytes, bytes] | None = None,
     curve_client_keys: tuple[bytes, bytes, bytes] | None = None,
+    zap_domain: str | None = None,
 ) -> Any:
     """Create, configure and bind/connect a socket.
 
     ``curve_server_keys`` is (public, secret) for a binding socket that requires CurveZMQ;
     ``curve_client_keys`` is (public, secret, server_public) for a connecting one.
+    ``zap_domain`` selects which key set the authenticator checks for this socket.
     Returns the socket; for ``tcp://host:0`` the bound port is in ``sock.LAST_ENDPOINT``.
     """
     opts = options or SocketOptions()
@@ -55,6 +57,8 @@ def make_socket(
         if kind == zmq.ROUTER:
             # Fail loudly (EHOSTUNREACH) instead of dropping a message to a peer that is gone.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if zap_domain is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())  # before bind, or it is ignored
         if curve_server_keys is not None:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, curve_server_keys[0])

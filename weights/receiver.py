@@ -285,6 +285,10 @@ class WeightReceiver:
         up = self._update
         if not msg.commit:
             if up is not None and up.uid == _update_id(msg.id):
+                # Buckets already handed to the engine (not staged, not a LoRA being collected)
+                # cannot be taken back: the weights are now a mix, and the version says so.
+                if up.num_buckets and not up.descriptor and up.lora is None:
+                    self.version = -1
                 self._drop(sender_gone=False)
             return {"version": self.version, "aborted": True}
         up = self._current(msg.id)

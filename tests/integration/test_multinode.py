@@ -122,7 +122,8 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
                                            wait_for_workers=False)
         node = f"{ns.name}-host"  # the node's name: differs from this host's, as a real second host's would
         config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://{ns.host_ip}:0", curve_keys_dir=keys,
-                             accept_remote_workers=True, deterministic_routing=True, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                             accept_remote_workers=True, deterministic_routing=True,
+                             heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
                              weights={"master_addr": ns.host_ip, "bucket_bytes": 1 << 16, "timeout_s": 30.0})
         agent = None
         try:
@@ -132,7 +133,8 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
                     agent = subprocess.Popen(
                         ["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
                          "--store", f"{ns.host_ip}:{store.port}", "--workers", "1", "--name", node,
-                         "--timeout", "30", "--engine-options", '{"tokens_per_s": 100}'],
+                         "--timeout", "30",
+                         "--engine-options", '{"tokens_per_s": 100}'],  # slow remotely: a request to kill
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
                 def remote_ready():

@@ -53,3 +53,30 @@ async def test_curve_fleet_serves_authorized_clients_only(tmp_path):
         async with RemoteClient(address, call_timeout_s=1.0) as plain:
             with pytest.raises(RequestTimeout):
                 await plain.stats()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_client_key_cannot_register_a_worker(tmp_path):
+    keys_dir = str(tmp_path / "keys")
+    make_keys(keys_dir)
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir)
+    async with Supervisor(config) as sup:
+        import msgpack
+
+        client_pub, client_sec, server_pub = load_client_keys(keys_dir)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"w0-7")
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, client_pub)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sup.worker_address)
+        try:
+            sock.send(msgpack.packb({"v": 1, "type": "register", "id": "r", "worker_id": "w0-7", "pid": 1,
+                                     "engine": "echo"}))
+            assert sock.poll(1500) == 0, "the worker socket answered a client key"
+        finally:
+            sock.close()
+            ctx.term()
+        assert len(sup.workers) == 1

@@ -85,6 +85,8 @@ def _code(raw):
         (msgpack.packb({1: 2}), "bad_frame"),
         (msgpack.packb({"v": 1, "type": "generate"}), "bad_field"),
         (msgpack.packb({"v": 99, "type": "generate", "id": "x"}), "version_mismatch"),
+        (msgpack.packb({"v": True, "type": "stats", "id": "x"}), "version_mismatch"),
+        (msgpack.packb({"v": 1.0, "type": "stats", "id": "x"}), "version_mismatch"),
         (msgpack.packb({"v": 1, "type": "launch_missiles", "id": "x"}), "unknown_type"),
         (msgpack.packb({"v": 1, "type": 5, "id": "x"}), "unknown_type"),
         (msgpack.packb({"v": 1, "type": "generate", "id": "x"}), "bad_field"),
