@@ -629,7 +629,7 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
-        msg = Generate(id=inner, prompt_ids=prompt_ids, sampling=params, stream=True)
+        msg = Generate(id=inner, prompt_ids=prompt_ids, sampling=params, stream=entry.stream)
         try:
             self._send_worker(handle, msg)
         except zmq.ZMQError as exc:  # the worker vanished between choose() and send

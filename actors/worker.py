@@ -55,6 +55,9 @@ __all__ = ["EngineWorker", "main"]
 
 logger = logging.getLogger(__name__)
 
+CHUNK_INTERVAL_S = 0.05
+"""Longest a non-streamed request's new tokens wait before they are reported as a chunk."""
+
 
 class EngineDied(Exception):
     """The engine is unusable (e.g. a failed weight reload); the worker must exit."""
@@ -240,6 +243,23 @@ class EngineWorker:
         tokens: list[int] = []
         logprobs: list[float] | None = [] if msg.sampling.logprobs else None
         version = self.weight_version
+        # Streamed requests get every step at once. Others get a chunk at most every
+        # CHUNK_INTERVAL_S: the supervisor only needs their partial output to resume them if
+        # this worker dies, and one message per request per decode step costs real throughput.
+        interval = 0.0 if msg.stream else CHUNK_INTERVAL_S
+        sent = 0
+        timer: asyncio.TimerHandle | None = None
+
+        def flush() -> None:
+            nonlocal sent, timer
+            timer = None
+            if len(tokens) > sent:
+                # (header,) -- the tokens since the previous chunk
+                self._send(Chunk(id=msg.id, token_ids=tokens[sent:],
+                                 logprobs=logprobs[sent:] if logprobs is not None else None,
+                                 weight_version=version))
+                sent = len(tokens)
+
         # msg is this worker's own decoded copy: the engine may keep its prompt list.
         outputs = self.engine.generate(msg.id, msg.prompt_ids, msg.sampling)
         try:
@@ -248,6 +268,17 @@ class EngineWorker:
                 self.num_tokens += len(out.token_ids)
                 if logprobs is not None and out.logprobs:
                     logprobs.extend(out.logprobs)
+                if out.finish_reason is None:
+                    if not interval:
+                        flush()
+                    elif timer is None and len(tokens) > sent:
+                        # A timer, not the next output: an engine that stalls still reports
+                        # what it made, so a resume does not start over.
+                        timer = asyncio.get_running_loop().call_later(interval, flush)
+                    continue
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
                 if out.finish_reason is not None:
                     # (header,) -- all tokens of this attempt, not only the new ones
                     self._send(
@@ -261,10 +292,6 @@ class EngineWorker:
                         )
                     )
                     return
-                if out.token_ids:
-                    self._send(
-                        Chunk(id=msg.id, token_ids=out.token_ids, logprobs=out.logprobs, weight_version=version)
-                    )
             raise RuntimeError("engine stream ended without a finish reason")
         except asyncio.CancelledError:
             raise
@@ -274,6 +301,8 @@ class EngineWorker:
             if _is_fatal(exc) or getattr(self.engine, "dead", False):
                 await self._fatal(f"engine died serving a request: {exc!r}")
         finally:
+            if timer is not None:
+                timer.cancel()
             self._tasks.pop(msg.id, None)
             # Left to the garbage collector, an unfinished generator is closed by a task that
             # the loop schedules through its self-pipe: several us per request.
@@ -330,21 +359,27 @@ class EngineWorker:
                     # The worker sees only its own device (CUDA_VISIBLE_DEVICES), as index 0.
                     device = "cuda" if str(self.config.get("device", "cpu")).startswith("cuda") else "cpu"
                     self._receiver = WeightReceiver(self.engine, device=device)
+                    self._receiver.version = self.weight_version
                     _PARENT_DEATH_CLEANUPS.append(self._receiver.unlink_orphans)  # kept shm names
                 data = await self._receiver.handle(msg)
             except Unsupported as exc:
+                self._sync_version()
                 self._send(Error(id=msg.id, code=exc.code, message=str(exc)))
                 return
             except Exception as exc:
+                self._sync_version()
                 logger.exception("weight update failed")
                 self._send(Error(id=msg.id, code="weights_failed", message=repr(exc)))
                 if _is_fatal(exc) or getattr(self.engine, "dead", False):
                     await self._fatal(f"engine died loading weights: {exc!r}")
                 return
-            if isinstance(msg, WeightsEnd):
-                # Committed: the new version. Aborted: unchanged, or -1 if part of it was applied.
-                self.weight_version = int(data.get("version", self.weight_version))
+            self._sync_version()
             self._send(Reply(id=msg.id, data=data))
+
+    def _sync_version(self) -> None:
+        # The receiver knows: the committed version, or -1 after a partly applied failure.
+        if self._receiver is not None:
+            self.weight_version = self._receiver.version
 
     def stats(self) -> dict[str, Any]:
         engine_stats = self.engine.stats() if self.engine is not None else {}

@@ -273,9 +273,12 @@ class WeightReceiver:
                 if buf.is_cuda:
                     # The sender reuses this buffer once we reply: our reads must be done.
                     torch.cuda.synchronize(buf.device)
-        except (RolloutError, ValueError):
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not up.descriptor and up.lora is None:
+                # The engine may have applied part of this bucket (or earlier ones) already.
+                self.version = -1
+            if isinstance(exc, (RolloutError, ValueError)) or not isinstance(exc, Exception):
+                raise
             raise EngineFailed(f"engine failed to load bucket {msg.index}: {type(exc).__name__}: {exc}") from exc
         up.nbytes += sum(e["nbytes"] for e in entries)
         up.num_buckets += 1

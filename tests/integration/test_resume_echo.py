@@ -131,4 +131,22 @@ async def test_failed_update_names_the_worker_and_generation_goes_on():
         r = await task
         assert r.token_ids == expected_tokens([6], 40)
         assert sup.weight_version == 0
-        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [0, 0]
+        # Part of the update reached the engines and there is no earlier update to restore:
+        # the workers say so (-1) instead of claiming a version they do not hold.
+        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [-1, -1]
+
+
+async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_version():
+    async with fleet(2, tokens_per_s=0) as sup:
+        client = sup.client()
+        await client.update_weights(offset(0), version=1)
+        # Bucket 0 holds the new offset (applied at once), bucket 1 the tensor that fails.
+        bad = [("offset", torch.tensor([9])), ("fail", torch.zeros(32))]
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(bad, version=2, bucket_bytes=64)
+        # The workers briefly held offset 9 under version 1; the fleet put version 1 back.
+        assert sup.weight_version == 1
+        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [1, 1]
+        for i in range(4):
+            r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
+            assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
