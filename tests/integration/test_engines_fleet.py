@@ -311,7 +311,14 @@ async def interrupted_by_updates(sup: Supervisor, new_state: dict, request_id: s
     """Run one LONG request and reload the same weights ``times`` times while it runs."""
     client = sup.client()
     first = sup.weight_version
-    task = asyncio.create_task(client.generate(request_id, PROMPTS[0], greedy(LONG)))
+    async def run():
+        # Streamed, so the fleet sees every step's tokens at once (non-streamed requests report
+        # their partial output in batches) and each update lands after real progress.
+        async for item in client.stream(request_id, PROMPTS[0], greedy(LONG)):
+            if hasattr(item, "finish_reason"):
+                return item
+
+    task = asyncio.create_task(run())
     for k in range(times):
         await wait_tokens(sup, request_id, 20 * (k + 1))
         await client.update_weights(list(new_state.items()), version=first + k + 1)
