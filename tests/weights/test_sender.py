@@ -71,7 +71,7 @@ async def test_generator_is_consumed_at_most_two_buckets_ahead():
         assert pulled <= loaded + 4 * 2 + 1 + 4  # this bucket, two more, one pending
 
 
-async def test_abort_keeps_old_version_and_failure_names_the_worker():
+async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_names_the_worker():
     good, good_engine = local("good")
 
     class Broken(StoreEngine):
