@@ -60,7 +60,7 @@ class WorkerHandle:
     def next_call_id(self) -> str:
         return f"c{next(_call_ids)}"
 
-    async def call(self, msg: Message, timeout: float | None = None) -> dict[str, Any]:
+    async def call(self, msg: Message, timeout: float | None = None, buffers: list[Any] | None = None) -> dict[str, Any]:
         """Send ``msg`` and wait for its reply's data. Raises the wire error as a RolloutError,
         WorkerLost if the worker dies first, RequestTimeout after ``timeout`` seconds."""
         if not self.alive:
@@ -68,7 +68,10 @@ class WorkerHandle:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[msg.id] = fut
         try:
-            self._send(self, msg)
+            if buffers:
+                self._send(self, msg, buffers)
+            else:
+                self._send(self, msg)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"worker {self.worker_id} did not answer {msg.TYPE.value} in {timeout}s") from None

@@ -430,10 +430,14 @@ class Supervisor:
             handle.proc.kill()
 
     # ================================================================== worker socket
-    def _send_worker(self, handle: WorkerHandle, msg: Message) -> None:
-        # (identity, header)
+    def _send_worker(self, handle: WorkerHandle, msg: Message, buffers: list[Any] | None = None) -> None:
         try:
-            self._wsock.send([handle.identity, codec.encode(msg)])
+            if buffers:
+                # (identity, header, *buffers) -- bulk bytes go without a copy
+                self._wsock.send([handle.identity, codec.encode(msg), *buffers], copy=False)
+            else:
+                # (identity, header)
+                self._wsock.send([handle.identity, codec.encode(msg)])
         except zmq.ZMQError as exc:
             if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
                 # Its connection is gone: the monitor loop takes the death path.

@@ -190,7 +190,7 @@ class EngineWorker:
         elif isinstance(msg, Stats):
             self._send(Reply(id=msg.id, data=self.stats()))
         elif isinstance(msg, (WeightsBegin, WeightsBucket, WeightsEnd)):
-            self._spawn(self._weights(msg))
+            self._spawn(self._weights(msg, buffers))
         elif isinstance(msg, Shutdown):
             self._stop.set()
         elif isinstance(msg, Reply):
@@ -349,7 +349,7 @@ class EngineWorker:
             return
         self._send(Reply(id=msg.id, data={"op": op}))
 
-    async def _weights(self, msg: WeightsBegin | WeightsBucket | WeightsEnd) -> None:
+    async def _weights(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> None:
         assert self.engine is not None
         async with self._weights_lock:  # buckets apply in arrival order
             try:
@@ -361,7 +361,7 @@ class EngineWorker:
                     self._receiver = WeightReceiver(self.engine, device=device)
                     self._receiver.version = self.weight_version
                     _PARENT_DEATH_CLEANUPS.append(self._receiver.unlink_orphans)  # kept shm names
-                data = await self._receiver.handle(msg)
+                data = await self._receiver.handle(msg, buffers)
             except Unsupported as exc:
                 self._sync_version()
                 self._send(Error(id=msg.id, code=exc.code, message=str(exc)))

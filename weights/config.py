@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["WeightSyncConfig", "TRANSPORTS", "choose_transport", "is_local_host"]
 
-TRANSPORTS = ("shm", "cuda_ipc", "collective")
+TRANSPORTS = ("shm", "cuda_ipc", "collective", "zmq")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,7 +16,8 @@ class WeightSyncConfig:
     bucket_bytes: int = 256 << 20
     """Size of one bucket (and of each of the two transfer buffers). Rounded down to 64 bytes."""
     transport: str = "auto"
-    """'auto' (per worker, see choose_transport), 'shm', 'cuda_ipc' or 'collective'."""
+    """'auto' (per worker, see choose_transport), 'shm', 'cuda_ipc', 'collective', or 'zmq' (bucket
+    bytes as frames on the control socket: needs nothing shared; never chosen by 'auto')."""
     timeout_s: float = 120.0
     """Longest wait for one worker's answer to one message (also the collective's timeout)."""
     abort_timeout_s: float = 5.0

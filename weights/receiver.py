@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +88,15 @@ class WeightReceiver:
         # asyncio.Lock wakes waiters first-come first-served.
         self._lock = asyncio.Lock()
 
-    async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd) -> dict[str, Any]:
-        """Apply one weights message; returns the Reply data. Raises RolloutError."""
+    async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> dict[str, Any]:
+        """Apply one weights message; returns the Reply data. ``buffers`` are the message's
+        extra frames (the bucket bytes, on the zmq transport). Raises RolloutError."""
         async with self._lock:
             try:
                 if isinstance(msg, WeightsBegin):
                     return await self._begin(msg)
                 if isinstance(msg, WeightsBucket):
-                    return await self._bucket(msg)
+                    return await self._bucket(msg, buffers or [])
                 if isinstance(msg, WeightsEnd) and msg.commit and self._update is not None and self._update.lora:
                     up = self._current(msg.id)
                     try:
@@ -168,6 +170,8 @@ class WeightReceiver:
             if msg.transport == "shm":
                 if not await self._open_shm(up, msg):
                     return {"need_names": True, "version": self.version}
+            elif msg.transport == "zmq":
+                pass  # the bytes come with each bucket message
             elif msg.transport == "cuda_ipc":
                 from .cuda_ipc import open_shared
 
@@ -234,7 +238,8 @@ class WeightReceiver:
         up.buffers = self._reuse(descs, lambda d: torch.empty(d["size"], dtype=torch.uint8, device=device))
         up.group = await asyncio.to_thread(make_group, dict(msg.options))
 
-    async def _bucket(self, msg: WeightsBucket) -> dict[str, Any]:
+    async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> dict[str, Any]:
+        buffers = buffers or []
         up = self._current(msg.id)
         if not 0 <= msg.buffer < len(up.sizes):
             raise ValueError(f"buffer {msg.buffer} out of range")
@@ -244,6 +249,14 @@ class WeightReceiver:
         nbytes = bucket_nbytes(entries)
         if not 0 <= nbytes <= up.sizes[msg.buffer]:
             raise ValueError(f"tensor entries need {nbytes} bytes, buffer has {up.sizes[msg.buffer]}")
+        if up.transport == "zmq":
+            up.buffers = [torch.empty(0, dtype=torch.uint8)] * len(up.sizes)
+            if nbytes:
+                if len(buffers) != 1 or len(buffers[0]) < nbytes:
+                    raise ValueError(f"zmq transport: bucket needs one frame of {nbytes} bytes")
+                with warnings.catch_warnings():  # the frame is read-only; the engine copies out of it
+                    warnings.simplefilter("ignore", UserWarning)
+                    up.buffers[msg.buffer] = torch.frombuffer(buffers[0], dtype=torch.uint8, count=nbytes)
         if up.transport == "collective" and nbytes:
             from .collective import broadcast
 

@@ -91,6 +91,10 @@ def _retrieve(task: asyncio.Task) -> None:
 
 
 def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: str) -> Any:
+    if kind == "zmq":
+        from .frames import FramesChannel
+
+        return FramesChannel(links, config, update_id)
     if kind == "shm":
         return shm.ShmChannel(links, config, update_id)
     if kind == "cuda_ipc":
@@ -193,7 +197,7 @@ class WeightSender:
             if stale:
                 logger.warning("removed %d shared-memory segments left by dead processes", len(stale))
         # shm/cuda_ipc first: filling a mapped or device buffer directly is cheapest.
-        order = sorted(groups, key=("shm", "cuda_ipc", "collective").index)
+        order = sorted(groups, key=("shm", "cuda_ipc", "collective", "zmq").index)
         channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
         packer = Packer(named_tensors, cfg.bucket_bytes)
         buckets = iter(packer)
@@ -221,8 +225,11 @@ class WeightSender:
                         task.result()
                 await loop.run_in_executor(_fill_executor(), self._fill, bucket, slot, channels, threads)
                 transfers = [ch.transfer(slot, bucket.nbytes) for ch in channels]
+                # (header, bucket bytes) for workers on the zmq transport
+                frames = {l.worker_id: [ch.frame(slot, bucket.nbytes)]
+                          for ch in channels if ch.kind == "zmq" for l in ch.links}
                 inflight[slot] = asyncio.create_task(
-                    self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers)
+                    self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers, frames)
                 )
                 report.num_buckets += 1
                 bucket = None  # drop the source tensors before pulling more
@@ -304,9 +311,11 @@ class WeightSender:
         for ch in channels:
             ch.ready(slot)
 
-    async def _deliver(self, uid: str, index: int, slot: int, entries: list, links: list, transfers: list) -> None:
+    async def _deliver(self, uid: str, index: int, slot: int, entries: list, links: list, transfers: list,
+                       frames: dict[str, list] | None = None) -> None:
         msg = WeightsBucket(id=f"{uid}.{index}", index=index, buffer=slot, tensors=entries)
-        tasks = [asyncio.create_task(self._call(link, msg)) for link in links]
+        frames = frames or {}
+        tasks = [asyncio.create_task(self._call(link, msg, frames.get(link.worker_id))) for link in links]
         tasks += [asyncio.ensure_future(t) for t in transfers if t is not None]
         try:
             await asyncio.gather(*tasks)
@@ -333,9 +342,12 @@ class WeightSender:
             if isinstance(res, BaseException):
                 logger.warning("worker %s did not acknowledge the aborted update: %s", link.worker_id, res)
 
-    async def _call(self, link: Any, msg: Message) -> dict:
+    async def _call(self, link: Any, msg: Message, buffers: list | None = None) -> dict:
         try:
-            data = await link.call(msg, timeout=self.config.timeout_s)
+            if buffers:
+                data = await link.call(msg, timeout=self.config.timeout_s, buffers=buffers)
+            else:
+                data = await link.call(msg, timeout=self.config.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -52,3 +52,23 @@ async def test_colocated_policy_and_reward_fleets_in_one_group():
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError):
         FleetConfig(mode="cluster")
+
+
+async def test_zmq_transport_carries_bucket_bytes_as_frames_into_a_real_engine():
+    from rollfleet.engines.tiny import tiny_llama_model
+
+    model = tiny_llama_model(0)
+    gen = torch.Generator().manual_seed(5)
+    new = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    async with Supervisor(FleetConfig(engine="torch", num_workers=1, engine_options={"seed": 0},
+                                      weights={"transport": "zmq"})) as sup:
+        report = await sup.update_weights(list(new.items()), version=1, bucket_bytes=256 << 10)
+        assert {w.transport for w in report.workers.values()} == {"zmq"} and report.num_buckets > 2
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        result = await sup.client().generate("z", [1, 9, 33], params)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(new[name])
+        ids = model.generate(torch.tensor([[1, 9, 33]]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    assert result.token_ids == ids[0, 3:].tolist() and result.weight_versions == [1]
