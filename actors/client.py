@@ -47,6 +47,9 @@ def _prompt(prompt_ids: Any) -> list[int]:
 class _Base:
     """Shared generate/stream logic over a per-request message queue."""
 
+    default_timeout_s: float | None = None
+    """Deadline of a request when the caller gives none (None: wait as long as it runs)."""
+
     # ---- hooks: override in a subclass to build abort policies, metrics, ...
     def on_dispatch(self, request_id: str) -> None:
         """Called when a request has been handed to the fleet."""
@@ -74,6 +77,8 @@ class _Base:
         RequestTimeout (``timeout`` passed; the request is aborted on its worker),
         FleetClosed.
         """
+        if timeout is None:
+            timeout = self.default_timeout_s
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
 
         def sink(msg: Message) -> None:
@@ -124,6 +129,8 @@ class _Base:
     async def _run(self, request_id: str, prompt_ids: list[int], sampling_params: Any, stream: bool,
                    session_id: str | None, resume: bool | None, timeout: float | None
                    ) -> AsyncIterator[StreamChunk | GenerationResult]:
+        if timeout is None:
+            timeout = self.default_timeout_s
         queue: asyncio.Queue[Message] = asyncio.Queue()
         await self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
                            stream, session_id, resume)
@@ -219,9 +226,13 @@ class RemoteClient(_Base):
     """
 
     def __init__(self, address: str, *, curve_keys: tuple[bytes, bytes, bytes] | None = None,
-                 call_timeout_s: float = 60.0):
+                 call_timeout_s: float = 60.0, request_timeout_s: float | None = 3600.0):
+        """``request_timeout_s`` bounds generate/stream calls made without a timeout: over a
+        socket a lost answer (the fleet died, the network broke) would otherwise be waited for
+        forever. ``call_timeout_s`` bounds abort/stats/control."""
         self.address = address
         self.call_timeout_s = call_timeout_s
+        self.default_timeout_s = request_timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=SocketOptions(),
                                  curve_client_keys=curve_keys)
