@@ -5,6 +5,12 @@ WorkerProcess (spawn/kill), WorkerHandle (per-worker state and calls), Router (p
 InflightTable (request state), and two ROUTER sockets: one for workers, one for outside
 clients (the frontend). Socket reads run in their own tasks; everything else is callbacks
 on the loop, so the tables need no locks.
+
+This file is longer than the others on purpose: it is the one place where the request state
+machine (submit, dispatch, chunk, result, preempt, abort) and the worker life cycle (spawn,
+register, die, restart, catch up) meet, and both mutate the same tables from loop callbacks.
+Policy (Router), state (InflightTable, WorkerHandle), processes (process.py), weight updates
+(updates.py), remote nodes (node.py) and metrics (metrics.py) already live elsewhere.
 """
 
 from __future__ import annotations
