@@ -3,8 +3,8 @@
 It runs on the caller's asyncio loop (a trainer process, a script) and wires together:
 WorkerProcess (spawn/kill), WorkerHandle (per-worker state and calls), Router (policy),
 InflightTable (request state), and two ROUTER sockets: one for workers, one for outside
-clients (the frontend). Socket reads run in their own tasks; everything else is callbacks
-on the loop, so the tables need no locks.
+clients (the frontend). Socket reads are reader callbacks on the loop (transport.aio), as is
+everything else, so the tables need no locks.
 
 This file is longer than the others on purpose: it is the one place where the request state
 machine (submit, dispatch, chunk, result, preempt, abort) and the worker life cycle (spawn,
