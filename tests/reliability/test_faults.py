@@ -146,6 +146,35 @@ async def test_worker_killed_during_startup_of_its_restart_is_restarted_again():
     assert_clean(sup.private_dir, pids)
 
 
+async def test_worker_stopped_during_fleet_startup_times_out_with_a_typed_error_and_is_killed():
+    sup = fleet(2, engine_options={"start_delay_s": 1.0}, restart=None, start_timeout_s=3.0)
+    starting = asyncio.create_task(sup.start())
+    assert await wait_for(lambda: len(sup.slots) == 2, 10)
+    pids = worker_pids(sup)
+    os.kill(sup.slots[1].pid, signal.SIGSTOP)  # frozen inside its engine's start-up
+    with pytest.raises(WorkerStartError, match="did not register"):
+        await starting
+    assert sup.closed
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_restarted_worker_stopped_during_startup_is_replaced():
+    sup = fleet(2, engine_options={"start_delay_s": 0.5}, start_timeout_s=2.0, deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        first = sup.slots[0]
+        os.kill(first.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not first, 5)
+        second = sup.slots[0]
+        pids.add(second.pid)
+        os.kill(second.pid, signal.SIGSTOP)  # the restart freezes before it registers
+        assert await wait_for(lambda: sup.slots[0] not in (first, second) and sup.slots[0].state.value == "ready", 20)
+        pids |= worker_pids(sup)
+        result = await sup.client().generate("after", [3], SamplingParams(max_tokens=4))
+        assert result.token_ids == expected_tokens([3], 4)
+    assert_clean(sup.private_dir, pids)
+
+
 async def test_worker_killed_during_fleet_startup_fails_start_with_a_typed_error():
     sup = fleet(2, engine_options={"start_delay_s": 1.0}, restart=None)
     starting = asyncio.create_task(sup.start())
