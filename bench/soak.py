@@ -27,19 +27,10 @@ import psutil
 from common import bench_parser, machine_info, print_table, write_json
 
 from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
-from rollfleet.engines.echo import echo_next_token
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import RolloutError, WeightUpdateError
 from rollfleet.transport.messages import SamplingParams
 from rollfleet.weights.shm import SHM_DIR
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    out, last, length = [], prompt[-1], len(prompt)
-    for _ in range(n):
-        last = echo_next_token(last, length, 32000)
-        length += 1
-        out.append(last)
-    return out
 
 
 class Soak:
@@ -88,7 +79,7 @@ class Soak:
             self.counts["lost"] += 1
             self.errors[type(exc).__name__] += 1
             return
-        want = expected(prompt, n)
+        want = echo_tokens(prompt, n)
         if result.finish_reason == "abort":
             ok = result.token_ids == want[: len(result.token_ids)]
             self.counts["aborted" if ok else "wrong"] += 1

@@ -29,7 +29,7 @@ from typing import Any
 from ..transport.messages import FinishReason, SamplingParams
 from .base import Engine, EngineOutput
 
-__all__ = ["EchoEngine", "EngineDead", "echo_next_token"]
+__all__ = ["EchoEngine", "EngineDead", "echo_next_token", "echo_tokens"]
 
 
 class EngineDead(RuntimeError):
@@ -42,6 +42,16 @@ _STOP, _LENGTH, _ABORT = FinishReason.STOP.value, FinishReason.LENGTH.value, Fin
 def echo_next_token(last_token: int, length: int, vocab_size: int, offset: int = 0) -> int:
     """The token that follows a sequence whose last token and length are given."""
     return (last_token * 31 + length * 7 + 11 + offset) % vocab_size
+
+
+def echo_tokens(prompt: list[int], n: int, vocab_size: int = 32000, offset: int = 0) -> list[int]:
+    """The ``n`` tokens the echo engine generates after ``prompt`` (defaults: its own)."""
+    out, last, length = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        last = echo_next_token(last, length, vocab_size, offset)
+        length += 1
+        out.append(last)
+    return out
 
 
 class EchoEngine(Engine):

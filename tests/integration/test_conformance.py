@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from rollfleet.actors import RemoteClient
-from rollfleet.engines.echo import echo_next_token
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import RolloutError
 from rollfleet.transport.messages import MsgType
 
@@ -63,16 +63,6 @@ SCRIPT = "\n".join([
     *(f"raw {rid or '-'} {raw.hex()}" for rid, raw in RAWS),
     "stats",
 ]) + "\n"
-
-
-def echo_tokens(prompt: list[int], n: int) -> list[int]:
-    """What the echo engine generates (vocabulary 32000, no weight offset)."""
-    out, last, length = [], prompt[-1], len(prompt)
-    for _ in range(n):
-        last = echo_next_token(last, length, 32000)
-        length += 1
-        out.append(last)
-    return out
 
 
 # ------------------------------------------------------------------------------ fixtures

@@ -22,7 +22,7 @@ import zmq
 
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.actors.node import publish_router
-from rollfleet.engines.echo import echo_next_token
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport.auth import make_keys
 from rollfleet.transport.messages import SamplingParams
 
@@ -90,13 +90,7 @@ class Namespace:
         self.remove()
 
 
-def expected_tokens(prompt: list[int], n: int, offset: int = 0) -> list[int]:
-    last, length, out = prompt[-1], len(prompt), []
-    for _ in range(n):
-        last = echo_next_token(last, length, 32000, offset)
-        length += 1
-        out.append(last)
-    return out
+expected_tokens = echo_tokens
 
 
 async def _until(predicate, timeout: float, what: str, log: str = "") -> None:

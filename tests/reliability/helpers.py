@@ -9,7 +9,7 @@ import time
 import psutil
 
 from rollfleet.actors import FleetConfig, Supervisor
-from rollfleet.engines.echo import echo_next_token
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.weights.shm import SHM_DIR
 
 __all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids"]
@@ -20,13 +20,7 @@ def fleet(num_workers=2, **kw):
     return Supervisor(FleetConfig(engine="echo", num_workers=num_workers, engine_options=options, **kw))
 
 
-def expected_tokens(prompt, n, vocab=32000, offset=0):
-    out, last, length = [], prompt[-1], len(prompt)
-    for _ in range(n):
-        last = echo_next_token(last, length, vocab, offset)
-        length += 1
-        out.append(last)
-    return out
+expected_tokens = echo_tokens
 
 
 async def wait_for(pred, timeout=5.0):
