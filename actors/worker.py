@@ -108,9 +108,6 @@ class EngineWorker:
                 traceback.print_exc()
                 self._send(WorkerExit(id="start", reason=f"engine failed to start: {exc!r}"))
                 return 3
-            # The first weight update would import torch and the receiver on the loop and
-            # stall heartbeats for seconds; import them in a thread now instead.
-            asyncio.get_running_loop().run_in_executor(None, _preimport_weights)
             self._send(
                 Register(
                     id="register",
@@ -354,6 +351,10 @@ class EngineWorker:
         async with self._weights_lock:  # buckets apply in arrival order
             try:
                 if self._receiver is None:
+                    # The first update may import torch (the echo engine does not): in a thread,
+                    # so heartbeats go on meanwhile. Not at start-up, where that import would
+                    # hold up the parent-death thread of every worker.
+                    await asyncio.to_thread(_import_weights)
                     from ..weights.receiver import WeightReceiver
 
                     # The worker sees only its own device (CUDA_VISIBLE_DEVICES), as index 0.
@@ -431,13 +432,10 @@ class _Continue(collections.abc.Coroutine):  # type: ignore[type-arg]
 _HANDED_OVER = object()
 
 
-def _preimport_weights() -> None:
-    try:
-        import importlib
+def _import_weights() -> None:
+    import importlib
 
-        importlib.import_module("rollfleet.weights.receiver")
-    except Exception:  # reported when an update actually needs it
-        pass
+    importlib.import_module("rollfleet.weights.receiver")
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
