@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from ..engines import Engine, create_engine
+from ..engines import Engine, EngineDead, create_engine
 from ..errors import RolloutError, Unsupported
 from ..transport import codec
 from ..transport.messages import (
@@ -59,13 +59,9 @@ CHUNK_INTERVAL_S = 0.05
 """Longest a non-streamed request's new tokens wait before they are reported as a chunk."""
 
 
-class EngineDied(Exception):
-    """The engine is unusable (e.g. a failed weight reload); the worker must exit."""
-
-
 def _is_fatal(exc: BaseException) -> bool:
-    # Adapters mark a dead engine with an exception class named EngineDead, or a `dead` flag.
-    return type(exc).__name__ == "EngineDead" or isinstance(exc, EngineDied)
+    # Adapters raise EngineDead (or set a `dead` flag, checked where this is called).
+    return isinstance(exc, EngineDead)
 
 
 class EngineWorker:

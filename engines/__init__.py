@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import CAPABILITIES, Engine, EngineOutput
+from .base import CAPABILITIES, Engine, EngineDead, EngineOutput
 
-__all__ = ["Engine", "EngineOutput", "CAPABILITIES", "ENGINE_NAMES", "create_engine"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "CAPABILITIES", "ENGINE_NAMES", "create_engine"]
 
 ENGINE_NAMES = ("echo", "torch", "vllm", "sglang")
 

@@ -17,7 +17,13 @@ from typing import Any
 from ..errors import Unsupported
 from ..transport.messages import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "CAPABILITIES"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "CAPABILITIES"]
+
+
+class EngineDead(RuntimeError):
+    """The engine can no longer serve (e.g. a failed weight reload left it half-loaded).
+    Any adapter raises this; the worker then reports why and exits, and is restarted."""
+
 
 # Every optional operation an engine may have. "generate" and "abort" are mandatory.
 CAPABILITIES = (

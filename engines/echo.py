@@ -14,7 +14,7 @@ already that long (a resumed request) is spared, so a request resumed elsewhere 
 - ``start_delay_s``: start() takes this long (a window to kill a worker during start-up).
 - ``fail_generate_after``: N -- generate raises RuntimeError when the sequence reaches N
   tokens; the request fails with engine_error and the worker goes on.
-- ``fail_fatal``: with the option above, raise an exception named EngineDead instead: the
+- ``fail_fatal``: with the option above, raise EngineDead (engines.base) instead: the
   worker reports it, exits and is restarted; its other requests resume.
 - ``stall_after``: N -- generate stops producing tokens when the sequence reaches N tokens
   and ignores aborts; the worker's loop (and its heartbeats) go on, as with a hung engine.
@@ -27,13 +27,9 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineOutput
+from .base import Engine, EngineDead, EngineOutput
 
 __all__ = ["EchoEngine", "EngineDead", "echo_next_token", "echo_tokens"]
-
-
-class EngineDead(RuntimeError):
-    """Raised by the ``fail_fatal`` fault; the worker treats this class name as fatal."""
 
 # Enum member values are properties: read them once, not per token.
 _STOP, _LENGTH, _ABORT = FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import EngineFailed, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineOutput
+from .base import Engine, EngineDead, EngineOutput
 
 __all__ = ["VllmEngine", "EngineDead", "write_segment"]
 
@@ -42,10 +42,6 @@ EXTENSION = "rollfleet.engines.vllm_ext.RollfleetWorkerExtension"
 ALIGN = 64
 # vLLM's finish reasons that are not ours: a detected repetition is a stop.
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
-
-
-class EngineDead(RuntimeError):
-    """The engine can no longer serve (a failed weight reload). The worker exits on it."""
 
 
 def write_segment(weights: Iterable[tuple[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
