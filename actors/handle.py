@@ -40,6 +40,7 @@ class WorkerHandle:
         self.state = WorkerState.STARTING
         self.registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.engine = ""
+        self.batched = False  # the worker accepts batch messages (its register said so)
         self.host = ""
         self.pid = proc.pid
         self.capabilities: list[str] = []

@@ -41,6 +41,7 @@ from ..transport import auth, codec
 from ..transport.messages import (
     CONTROL_OPS,
     Abort,
+    Batch,
     Chunk,
     Control,
     Error,
@@ -160,7 +161,7 @@ class Supervisor:
             sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts,
                                curve_server_keys=server_keys if tcp_workers else None,
                                zap_domain=auth.WORKER_DOMAIN if server_keys and tcp_workers else None)
-            self._wsock = LoopSocket(sock, self._on_worker_frames)
+            self._wsock = LoopSocket(sock, self._on_worker_frames, on_post_error=self._on_post_error)
             self.worker_address = sock.LAST_ENDPOINT.decode()
             if cfg.frontend_addr:
                 sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts,
@@ -437,6 +438,11 @@ class Supervisor:
 
     # ================================================================== worker socket
     def _send_worker(self, handle: WorkerHandle, msg: Message, buffers: list[Any] | None = None) -> None:
+        if handle.batched and not buffers:
+            # (identity, header) -- posted: what this loop iteration sends the worker goes
+            # out as one batch; a send error comes back through _on_post_error
+            self._wsock.post(handle.identity, codec.encode(msg))
+            return
         try:
             if buffers:
                 # (identity, header, *buffers) -- bulk bytes go without a copy
@@ -445,11 +451,19 @@ class Supervisor:
                 # (identity, header)
                 self._wsock.send([handle.identity, codec.encode(msg)])
         except zmq.ZMQError as exc:
-            if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
-                # Its connection is gone: the monitor loop takes the death path.
-                handle.last_error = handle.last_error or f"remote worker unreachable: {exc}"
-                handle.proc.lost()
+            self._on_post_error(handle.identity, exc)
             raise
+
+    def _on_post_error(self, identity: bytes | None, exc: zmq.ZMQError) -> None:
+        handle = self.workers.get((identity or b"").decode("utf-8", "replace"))
+        if handle is None:
+            return
+        logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
+        if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
+            # Its connection is gone: the monitor loop takes the death path, which resumes
+            # or fails what was sent to it.
+            handle.last_error = handle.last_error or f"remote worker unreachable: {exc}"
+            handle.proc.lost()
 
     def allow_worker_key(self, public_key: str | bytes) -> None:
         """Admit workers that connect with this CurveZMQ public key (Z85), e.g. a node
@@ -518,6 +532,17 @@ class Supervisor:
                             handle.worker_id, exc)
             return
         handle.last_heartbeat = time.monotonic()
+        if type(msg) is Batch:
+            for item in codec.unbatch(msg):
+                if isinstance(item, codec.DecodeError):
+                    self._drops.log("bad_worker_frame", logging.WARNING, "dropped a bad message from worker %s: %s",
+                                    handle.worker_id, item)
+                else:
+                    self._on_worker_message(handle, item)
+            return
+        self._on_worker_message(handle, msg)
+
+    def _on_worker_message(self, handle: WorkerHandle, msg: Message) -> None:
         if isinstance(msg, Chunk):
             self._on_chunk(msg)
         elif isinstance(msg, Result):
@@ -544,6 +569,7 @@ class Supervisor:
                             msg.TYPE.value, handle.worker_id)
 
     def _on_register(self, handle: WorkerHandle, msg: Register) -> None:
+        handle.batched = msg.batch
         handle.engine = msg.engine
         handle.host = msg.host
         handle.pid = msg.pid

@@ -31,6 +31,7 @@ from ..transport import codec
 from ..transport.messages import (
     CONTROL_OPS,
     Abort,
+    Batch,
     Chunk,
     Control,
     Error,
@@ -114,6 +115,7 @@ class EngineWorker:
                     capabilities=sorted(self.engine.capabilities()),
                     weight_version=self.weight_version,
                     host=self.config.get("host") or socket.gethostname(),  # a node agent may name its node
+                    batch=True,
                 )
             )
             tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat")]
@@ -146,11 +148,8 @@ class EngineWorker:
 
     # -------------------------------------------------------------------- I/O
     def _send(self, msg: Message) -> None:
-        # (header,)
-        try:
-            self._sock.send([codec.encode(msg)])
-        except zmq.ZMQError as exc:
-            logger.error("send to supervisor failed: %s", exc)
+        # (header,) -- posted: what this loop iteration sends goes out as one batch
+        self._sock.post(None, codec.encode(msg))
 
     def _on_frames(self, frames: list[Any]) -> None:
         # (header, *buffers); the frames are zmq.Frame, decoded in place
@@ -160,8 +159,19 @@ class EngineWorker:
             logger.warning("bad message from supervisor: %s", exc)
             self._send(codec.error_for(exc))
             return
+        if type(msg) is Batch:
+            for item in codec.unbatch(msg):
+                if isinstance(item, codec.DecodeError):
+                    logger.warning("bad message in a batch from the supervisor: %s", item)
+                    self._send(codec.error_for(item))
+                else:
+                    self._handle(item, [])
+            return
+        self._handle(msg, [f.buffer for f in frames[1:]] if len(frames) > 1 else [])
+
+    def _handle(self, msg: Message, buffers: list[memoryview]) -> None:
         try:
-            self._dispatch(msg, [f.buffer for f in frames[1:]] if len(frames) > 1 else [])
+            self._dispatch(msg, buffers)
         except Exception as exc:  # never let one message kill the worker
             logger.exception("failed to handle %s", type(msg).__name__)
             self._send(Error(id=msg.id, code="internal", message=repr(exc)))

@@ -8,6 +8,13 @@ The ZeroMQ FD is edge-triggered: a send, a recv or a ``ZMQ_EVENTS`` query may co
 notice of an incoming message. So a send made outside a drain is followed, once per loop
 iteration, by a check for messages; a drain checks again after its handler anyway.
 
+``post`` queues an encoded message instead of sending it: at the end of the loop iteration,
+each peer's queue goes out as one message, a ``batch`` when it holds more than one. Under
+load that turns dozens of sends and receives into one each (ZeroMQ's per-message cost, a
+wake-up of its I/O thread, is most of what a small message costs); a lone message goes out
+as itself, one callback later. ``send`` sends the queues first, so a peer always gets
+messages in the order they were given.
+
 Per call (pyzmq 27): a non-blocking recv that finds nothing raises ``zmq.Again`` (~3 us
 with the exception), a ``ZMQ_EVENTS`` query costs ~1.3 us, and pyzmq's ``recv_multipart``
 and ``send_multipart`` cost about twice the plain calls they make. So checks ask
@@ -24,9 +31,18 @@ from typing import Any
 
 import zmq
 
+from .codec import batch_frame
+
 __all__ = ["LoopSocket"]
 
 logger = logging.getLogger(__name__)
+
+# A batch is sent early once its messages reach this many bytes: it stays far below any
+# receiver's header limit, and a big prompt does not wait for the iteration to end.
+BATCH_BYTES = 1 << 20
+# ... or once it holds this many: the peer starts on them while this side makes the rest
+# (one batch of everything would leave one side idle while the other works).
+BATCH_COUNT = 32
 
 # Plain ints: pyzmq's constants are enum.IntFlag, and `events & zmq.POLLIN` runs IntFlag's
 # Python-level __rand__ (~1 us).
@@ -40,7 +56,10 @@ class LoopSocket:
     """``handler`` gets each message as a list of frames: bytes, or zmq.Frame with copy=False."""
 
     def __init__(self, sock: zmq.Socket, handler: Callable[[list[Any]], None], *,
-                 loop: asyncio.AbstractEventLoop | None = None, copy: bool = True, max_batch: int = 4096):
+                 loop: asyncio.AbstractEventLoop | None = None, copy: bool = True, max_batch: int = 4096,
+                 on_post_error: Callable[[bytes | None, zmq.ZMQError], None] | None = None):
+        """``on_post_error(route, exc)`` hears of a posted batch that could not be sent (the
+        peer is gone: EHOSTUNREACH on a ROUTER_MANDATORY socket); by default it is logged."""
         self.sock = sock
         self._handler = handler
         self._loop = loop or asyncio.get_running_loop()
@@ -49,6 +68,10 @@ class LoopSocket:
         self._drain_scheduled = False
         self._draining = False
         self._closed = False
+        # Posted messages: route (None on a DEALER) -> [encoded messages, their total bytes]
+        self._posted: dict[bytes | None, list[Any]] = {}
+        self._flush_scheduled = False
+        self._on_post_error = on_post_error
         # The backend's send, under pyzmq's Python-level wrapper (which only adds the
         # routing_id and group options of draft sockets): half the cost per frame.
         self._send = super(zmq.Socket, sock).send if isinstance(sock, zmq.Socket) else sock.send
@@ -114,8 +137,54 @@ class LoopSocket:
         # Batch limit reached with messages left: yield to other tasks, then go on.
         self._schedule_drain()
 
+    def post(self, route: bytes | None, encoded: bytes) -> None:
+        """Queue one encoded message (a header frame without buffers) for ``route``: a peer's
+        identity on a ROUTER, None on a DEALER. It goes out at the end of this loop iteration,
+        with the others queued for the same peer, in order. Send errors go to on_post_error."""
+        queue = self._posted.get(route)
+        if queue is not None and queue[1] + len(encoded) <= BATCH_BYTES:
+            items = queue[0]
+            items.append(encoded)
+            queue[1] += len(encoded)
+            if len(items) >= BATCH_COUNT:
+                del self._posted[route]
+                self._send_posted(route, items)
+            return
+        if queue is not None:  # full: it goes now, and this message starts the next
+            self._send_posted(route, queue[0])
+        self._posted[route] = [[encoded], len(encoded)]
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send every posted message now (called by the loop; harmless at any time)."""
+        self._flush_scheduled = False
+        while self._posted:
+            posted, self._posted = self._posted, {}
+            for route, (items, _) in posted.items():
+                self._send_posted(route, items)
+
+    def _send_posted(self, route: bytes | None, items: list[bytes]) -> None:
+        if self._closed:
+            return
+        frame = items[0] if len(items) == 1 else batch_frame(items)
+        try:
+            self._send_now([frame] if route is None else [route, frame])
+        except zmq.ZMQError as exc:
+            if self._on_post_error is not None:
+                self._on_post_error(route, exc)
+            else:
+                logger.warning("dropped %d message(s) for %r: %s", len(items), route, exc)
+
     def send(self, frames: list[Any], copy: bool = True) -> None:
-        """Send one multipart message now. Raises zmq.ZMQError (e.g. EHOSTUNREACH)."""
+        """Send one multipart message now, after anything posted. Raises zmq.ZMQError
+        (e.g. EHOSTUNREACH)."""
+        if self._posted:
+            self.flush()
+        self._send_now(frames, copy)
+
+    def _send_now(self, frames: list[Any], copy: bool = True) -> None:
         send = self._send
         last = len(frames) - 1
         for i in range(last):
@@ -125,8 +194,11 @@ class LoopSocket:
             self._schedule_drain()
 
     def close(self, linger: int = 0) -> None:
+        """Send what is posted, then close (``linger`` ms to deliver it)."""
         if self._closed:
             return
+        if self._posted:
+            self.flush()
         self._closed = True
         try:
             self._loop.remove_reader(self._fd)

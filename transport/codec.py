@@ -26,12 +26,14 @@ from .messages import (
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
     WIRE_TYPES,
+    Batch,
     Error,
     Message,
     SamplingParams,
 )
 
-__all__ = ["DecodeError", "encode", "decode", "decode_header", "error_for", "DEFAULT_MAX_HEADER_BYTES"]
+__all__ = ["DecodeError", "encode", "decode", "decode_header", "error_for", "batch_frame", "unbatch",
+           "DEFAULT_MAX_HEADER_BYTES"]
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
@@ -144,6 +146,11 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise DecodeError("bad_frame", f"not a msgpack value: {type(exc).__name__}") from None
+    _check_header(header)
+    return header
+
+
+def _check_header(header: Any) -> None:
     if type(header) is not dict:
         raise DecodeError("bad_message", f"header must be a map, got {type(header).__name__}")
     msg_id = header.get("id")
@@ -154,7 +161,6 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
         raise DecodeError(
             "version_mismatch", f"protocol version {header.get('v')!r} != {PROTOCOL_VERSION}", msg_id
         )
-    return header
 
 
 def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
@@ -164,7 +170,11 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> 
     """
     if not frames:
         raise DecodeError("bad_frame", "empty message")
-    header = decode_header(frames[0], max_bytes)
+    return _from_header(decode_header(frames[0], max_bytes))
+
+
+def _from_header(header: dict[str, Any]) -> Message:
+    """The message a checked header map (see ``_check_header``) describes."""
     msg_id = header["id"]
     type_tag = header.get("type")
     cls = MESSAGE_CLASSES.get(type_tag) if type(type_tag) is str else None
@@ -226,6 +236,41 @@ def _build(spec: _Spec, values: dict[str, Any], type_tag: str, msg_id: str) -> M
         return spec.cls(**values)
     except (ValueError, TypeError) as exc:
         raise DecodeError("bad_field", f"{type_tag}: {exc}", msg_id) from None
+
+
+# ------------------------------------------------------------------------------ batches
+# A batch frame is the map {"v": 1, "type": "batch", "id": "", "messages": [...]}, built from
+# messages already encoded: the map's fixed start, an array header, then their bytes as they
+# are (msgpack concatenates). No message is packed twice.
+_BATCH_START = b"".join(msgpack.packb(x) for x in ("v", PROTOCOL_VERSION, "type", "batch", "id", "", "messages"))
+_BATCH_START = b"\x84" + _BATCH_START  # a fixmap of 4 pairs
+
+
+def batch_frame(encoded: Sequence[bytes]) -> bytes:
+    """One frame carrying several encoded messages (``encode`` output, in order) as a batch."""
+    n = len(encoded)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return b"".join((_BATCH_START, head, *encoded))
+
+
+def unbatch(batch: Batch) -> list[Message | DecodeError]:
+    """The messages of a batch, in order, each decoded and checked on its own: one bad message
+    is a DecodeError in its place and costs the others nothing."""
+    out: list[Message | DecodeError] = []
+    for item in batch.messages:
+        try:
+            _check_header(item)
+            if item.get("type") == "batch":
+                raise DecodeError("bad_message", "a batch may not hold a batch", item["id"])
+            out.append(_from_header(item))
+        except DecodeError as exc:
+            out.append(exc)
+    return out
 
 
 def error_for(exc: DecodeError) -> Error:

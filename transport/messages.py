@@ -38,6 +38,7 @@ __all__ = [
     "WeightsBegin",
     "WeightsBucket",
     "WeightsEnd",
+    "Batch",
     "MESSAGE_CLASSES",
     "CONTROL_OPS",
 ]
@@ -67,6 +68,8 @@ class MsgType(str, enum.Enum):
     WEIGHTS_BEGIN = "weights_begin"
     WEIGHTS_BUCKET = "weights_bucket"
     WEIGHTS_END = "weights_end"
+    # worker <-> supervisor, either way: several messages in one frame
+    BATCH = "batch"
 
 
 class FinishReason(str, enum.Enum):
@@ -227,6 +230,7 @@ WIRE_TYPES: dict[str, tuple[frozenset[type], Any]] = {
     "dict[str, Any]": (frozenset({dict}), _str_keys),
     "dict[str, float]": (frozenset({dict}), _float_values),
     "list[dict[str, Any]]": (frozenset({list}), _all_maps),
+    "list[Any]": (frozenset({list}), None),  # contents checked by whoever unpacks them
     "SamplingParams": (frozenset({dict}), _str_keys),
 }
 
@@ -368,6 +372,8 @@ class Register(Message):
     capabilities: list[str] = field(default_factory=list)
     weight_version: int = 0
     host: str = ""
+    batch: bool = False
+    """The worker accepts ``batch`` messages (the supervisor then packs what it sends)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -428,6 +434,17 @@ class WeightsEnd(Message):
     """False aborts the update: the engine drops what it received."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch(Message):
+    """Several messages for one peer in one frame, in the order they were sent. Only between
+    a worker and its supervisor: ``codec.unbatch`` checks and decodes each one on its own."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BATCH
+    messages: list[Any]
+    """Each a complete message map (its own ``v``, ``type`` and ``id``); never a batch, never
+    a message with buffer frames."""
+
+
 MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (
@@ -446,5 +463,6 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         WeightsBegin,
         WeightsBucket,
         WeightsEnd,
+        Batch,
     )
 }

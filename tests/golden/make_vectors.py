@@ -25,6 +25,7 @@ import msgpack
 from rollfleet.transport import codec
 from rollfleet.transport.messages import (
     Abort,
+    Batch,
     Chunk,
     Control,
     Error,
@@ -96,6 +97,7 @@ VECTORS: list[Message] = [
         capabilities=["clear_kv_cache", "load_weights", "pause"],
         weight_version=7,
         host="node-1",
+        batch=True,
     ),
     Heartbeat(id="hb", num_inflight=3, num_tokens=123456, weight_version=7),
     WorkerExit(id="fatal", reason="engine died serving a request: RuntimeError('out of memory')", fatal=True),
@@ -119,6 +121,12 @@ VECTORS: list[Message] = [
         ],
     ),
     WeightsEnd(id="weights-3", version=8, commit=True),
+    # Two messages for one peer in one frame, as a worker sends them under load.
+    Batch(id="", messages=[
+        {"v": 1, "type": "chunk", "id": "w0-0:5", "token_ids": [17], "logprobs": None, "weight_version": 3},
+        {"v": 1, "type": "result", "id": "w0-0:6", "token_ids": [4, 31999], "finish_reason": "stop",
+         "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0", "timings": {}},
+    ]),
 ]
 
 

@@ -6,6 +6,7 @@ from rollfleet.transport.messages import (
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
     Abort,
+    Batch,
     Chunk,
     Control,
     Error,
@@ -43,6 +44,7 @@ SAMPLES = [
     WeightsBucket(id="wk", index=0, buffer=1, tensors=[{"name": "w", "dtype": "float32", "shape": [2], "offset": 0,
                                                          "nbytes": 8}]),
     WeightsEnd(id="we", version=3, commit=False),
+    Batch(id="", messages=[{"v": 1, "type": "stats", "id": "s2"}, {"v": 1, "type": "abort", "id": "a2", "request_id": "r"}]),
 ]
 
 
@@ -132,3 +134,46 @@ def test_sampling_validation():
         SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=1.5)
+
+
+# ------------------------------------------------------------------------------ batches
+def test_batch_frame_is_the_batch_message_the_codec_encodes():
+    msgs = [Result(id=f"w0-0:{i}", token_ids=[i, 300], finish_reason="length", weight_versions=[0],
+                   timings={"total": 0.5}) for i in range(40)]
+    items = [codec.encode(m) for m in msgs]
+    frame = codec.batch_frame(items)
+    assert frame == codec.encode(Batch(id="", messages=[msgpack.unpackb(x) for x in items]))
+    batch = codec.decode([frame])
+    assert isinstance(batch, Batch) and codec.unbatch(batch) == msgs
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
+def test_batch_frame_array_header_for_every_size(n):
+    item = codec.encode(Stats(id="s"))
+    assert len(msgpack.unpackb(codec.batch_frame([item] * n))["messages"]) == n
+
+
+def test_a_bad_message_in_a_batch_costs_the_others_nothing():
+    good = [Chunk(id="w0-0:1", token_ids=[1]), Result(id="w0-0:2", token_ids=[2], finish_reason="stop")]
+    items = [
+        codec.encode(good[0]),
+        msgpack.packb({"v": 1, "type": "result", "id": "w0-0:9", "token_ids": "nope", "finish_reason": "stop"}),
+        msgpack.packb({"v": 2, "type": "stats", "id": "old"}),
+        msgpack.packb([1, 2]),
+        msgpack.packb({"v": 1, "type": "no_such_type", "id": "u"}),
+        codec.batch_frame([codec.encode(Stats(id="inner"))]),  # no batch inside a batch
+        codec.encode(good[1]),
+    ]
+    out = codec.unbatch(codec.decode([codec.batch_frame(items)]))
+    assert out[0] == good[0] and out[-1] == good[1]
+    errors = out[1:-1]
+    assert all(isinstance(e, codec.DecodeError) for e in errors)
+    assert [e.code for e in errors] == ["bad_field", "version_mismatch", "bad_message", "unknown_type", "bad_message"]
+    assert [e.msg_id for e in errors] == ["w0-0:9", "old", None, "u", ""]
+
+
+def test_a_batch_whose_messages_field_is_not_a_list_is_rejected():
+    raw = msgpack.packb({"v": 1, "type": "batch", "id": "", "messages": {"a": 1}})
+    with pytest.raises(codec.DecodeError) as err:
+        codec.decode([raw])
+    assert err.value.code == "bad_field"

@@ -1,0 +1,114 @@
+"""LoopSocket over real ZeroMQ sockets: posted messages go out in order, batched per peer."""
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+
+from rollfleet.transport import aio, codec
+from rollfleet.transport.aio import LoopSocket
+from rollfleet.transport.messages import Batch, Chunk, Stats
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A ROUTER (driven by LoopSocket in the test) and a plain DEALER peer named b'peer'."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{tmp_path}/t.sock"
+    router.bind(addr)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"peer")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(addr)
+    dealer.send(b"hello")
+    assert router.poll(5000)
+    assert router.recv_multipart() == [b"peer", b"hello"]
+    yield router, dealer
+    dealer.close()
+    router.close()
+    ctx.term()
+
+
+def received(dealer, timeout_ms=2000):
+    """Every message waiting at the dealer, each as its list of decoded messages."""
+    out = []
+    while dealer.poll(timeout_ms if not out else 100):
+        msg = codec.decode([dealer.recv()])
+        out.append(codec.unbatch(msg) if isinstance(msg, Batch) else [msg])
+    return out
+
+
+async def test_posts_in_one_iteration_go_out_as_one_batch_in_order(pair):
+    router, dealer = pair
+    lsock = LoopSocket(router, lambda frames: None)
+    msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(10)]
+    for m in msgs:
+        lsock.post(b"peer", codec.encode(m))
+    assert not dealer.poll(50)  # nothing before the loop iteration ends
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert received(dealer) == [msgs]
+    lsock.close()
+
+
+async def test_a_lone_post_goes_out_as_the_message_itself(pair):
+    router, dealer = pair
+    lsock = LoopSocket(router, lambda frames: None)
+    lsock.post(b"peer", codec.encode(Stats(id="s1")))
+    await asyncio.sleep(0.01)
+    assert dealer.poll(2000)
+    assert msgpack.unpackb(dealer.recv())["type"] == "stats"
+    lsock.close()
+
+
+async def test_batches_are_cut_by_count_and_by_bytes(pair, monkeypatch):
+    router, dealer = pair
+    lsock = LoopSocket(router, lambda frames: None)
+    msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(aio.BATCH_COUNT * 2 + 3)]
+    for m in msgs:
+        lsock.post(b"peer", codec.encode(m))
+    await asyncio.sleep(0.01)
+    got = received(dealer)
+    assert [len(b) for b in got] == [aio.BATCH_COUNT, aio.BATCH_COUNT, 3]
+    assert [m for b in got for m in b] == msgs
+
+    monkeypatch.setattr(aio, "BATCH_BYTES", 3000)
+    big = [Chunk(id=f"b{i}", token_ids=list(range(1000, 1500))) for i in range(4)]  # ~1.5 kB each
+    for m in big:
+        lsock.post(b"peer", codec.encode(m))
+    await asyncio.sleep(0.01)
+    got = received(dealer)
+    assert [len(b) for b in got] == [1, 1, 1, 1] and [b[0] for b in got] == big
+    lsock.close()
+
+
+async def test_send_goes_after_what_was_posted_and_close_flushes(pair):
+    router, dealer = pair
+    lsock = LoopSocket(router, lambda frames: None)
+    lsock.post(b"peer", codec.encode(Stats(id="first")))
+    lsock.send([b"peer", codec.encode(Stats(id="second")), b"bulk"])
+    lsock.post(b"peer", codec.encode(Stats(id="third")))
+    lsock.close(linger=1000)  # before any loop iteration: close sends it
+    assert dealer.poll(2000)
+    assert msgpack.unpackb(dealer.recv())["id"] == "first"
+    assert dealer.poll(2000)
+    frames = dealer.recv_multipart()
+    assert msgpack.unpackb(frames[0])["id"] == "second" and frames[1] == b"bulk"
+    assert dealer.poll(2000)
+    assert msgpack.unpackb(dealer.recv())["id"] == "third"
+
+
+async def test_a_post_to_a_gone_peer_reaches_the_error_callback_and_others_still_go(pair):
+    router, dealer = pair
+    errors = []
+    lsock = LoopSocket(router, lambda frames: None, on_post_error=lambda route, exc: errors.append((route, exc.errno)))
+    lsock.post(b"nobody", codec.encode(Stats(id="lost")))
+    lsock.post(b"peer", codec.encode(Stats(id="kept")))
+    await asyncio.sleep(0.01)
+    assert errors == [(b"nobody", zmq.EHOSTUNREACH)]
+    assert received(dealer) == [[Stats(id="kept")]]
+    lsock.close()
