@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import zmq
@@ -85,7 +85,10 @@ class _Base:
             if not fut.done() and isinstance(msg, (Result, Error)):
                 fut.set_result(msg)
 
-        await self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id, resume)
+        sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id,
+                               resume)
+        if sending is not None:
+            await sending
         self.on_dispatch(request_id)
         done = False
         try:
@@ -132,8 +135,10 @@ class _Base:
         if timeout is None:
             timeout = self.default_timeout_s
         queue: asyncio.Queue[Message] = asyncio.Queue()
-        await self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
-                           stream, session_id, resume)
+        sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
+                               stream, session_id, resume)
+        if sending is not None:
+            await sending
         self.on_dispatch(request_id)
         done = False
         loop = asyncio.get_running_loop()
@@ -165,8 +170,10 @@ class _Base:
                 self._cancel(request_id)
 
     # ---- transport-specific
-    async def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Any,
-                      stream: bool, session_id: str | None, resume: bool | None) -> None:
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Any,
+                stream: bool, session_id: str | None, resume: bool | None) -> Awaitable[None] | None:
+        """Hand the request over; an awaitable when that takes I/O, else None (no coroutine
+        to make and run per request)."""
         raise NotImplementedError
 
     def _cancel(self, request_id: str) -> None:
@@ -179,7 +186,7 @@ class LLMClient(_Base):
     def __init__(self, supervisor: Any):
         self.supervisor = supervisor
 
-    async def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+    def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
         self.supervisor.submit("local", request_id, prompt_ids, params, sink,
                                stream=stream, session_id=session_id, resume=resume)
 

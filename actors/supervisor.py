@@ -438,18 +438,25 @@ class Supervisor:
 
     # ================================================================== worker socket
     def _send_worker(self, handle: WorkerHandle, msg: Message, buffers: list[Any] | None = None) -> None:
-        if handle.batched and not buffers:
-            # (identity, header) -- posted: what this loop iteration sends the worker goes
-            # out as one batch; a send error comes back through _on_post_error
-            self._wsock.post(handle.identity, codec.encode(msg))
+        if not buffers:
+            self._send_encoded(handle, codec.encode(msg))
             return
         try:
-            if buffers:
-                # (identity, header, *buffers) -- bulk bytes go without a copy
-                self._wsock.send([handle.identity, codec.encode(msg), *buffers], copy=False)
-            else:
-                # (identity, header)
-                self._wsock.send([handle.identity, codec.encode(msg)])
+            # (identity, header, *buffers) -- bulk bytes go without a copy
+            self._wsock.send([handle.identity, codec.encode(msg), *buffers], copy=False)
+        except zmq.ZMQError as exc:
+            self._on_post_error(handle.identity, exc)
+            raise
+
+    def _send_encoded(self, handle: WorkerHandle, header: bytes) -> None:
+        if handle.batched:
+            # (identity, header) -- posted: what this loop iteration sends the worker goes
+            # out as one batch; a send error comes back through _on_post_error
+            self._wsock.post(handle.identity, header)
+            return
+        try:
+            # (identity, header)
+            self._wsock.send([handle.identity, header])
         except zmq.ZMQError as exc:
             self._on_post_error(handle.identity, exc)
             raise
@@ -665,9 +672,10 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
-        msg = Generate(id=inner, prompt_ids=prompt_ids, sampling=params, stream=entry.stream)
         try:
-            self._send_worker(handle, msg)
+            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
+            self._send_encoded(handle, codec.encode_values(Generate, inner, prompt_ids, params, entry.stream,
+                                                           None, None))
         except zmq.ZMQError as exc:  # the worker vanished between choose() and send
             logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
             self.router.on_finish(handle.worker_id)
@@ -778,16 +786,10 @@ class Supervisor:
             timings["queue"] = entry.t_dispatched - entry.t_created
         if entry.t_first_token is not None:
             timings["first_token"] = entry.t_first_token - entry.t_created
-        entry.sink(Result(
-            id=entry.request_id,
-            token_ids=entry.token_ids,
-            finish_reason=finish_reason,
-            logprobs=entry.logprobs,
-            weight_versions=entry.versions,
-            num_preemptions=entry.num_preemptions,
-            worker=worker,
-            timings=timings,
-        ))
+        # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, num_preemptions=,
+        #          worker=, timings=), made without __init__'s per-field work
+        entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, entry.logprobs,
+                               entry.versions, entry.num_preemptions, worker, timings))
 
     def _fail(self, entry: Entry, exc: RolloutError) -> None:
         self._finish(entry)

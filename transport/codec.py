@@ -32,7 +32,7 @@ from .messages import (
     SamplingParams,
 )
 
-__all__ = ["DecodeError", "encode", "decode", "decode_header", "error_for", "batch_frame", "unbatch",
+__all__ = ["DecodeError", "encode", "encode_values", "build", "decode", "decode_header", "error_for", "batch_frame", "unbatch",
            "DEFAULT_MAX_HEADER_BYTES"]
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -56,7 +56,7 @@ class _Spec:
     """What the codec needs of one message class, worked out once from its annotations."""
 
     __slots__ = ("cls", "tag", "keys", "values", "nested", "nested_at", "fields", "names", "kinds", "contents",
-                 "setters")
+                 "setters", "absent_ok", "encode_msg", "encode_values", "decode_fast")
 
     def __init__(self, cls: type[Message]):
         hints: dict[str, Any] | None = None
@@ -84,7 +84,7 @@ class _Spec:
         # For the fast path of decode: every tuple of value types a valid header can have
         # (an absent field reads as None), and the fields whose contents need a check.
         self.kinds: frozenset[tuple[type, ...]] = frozenset()
-        absent_ok = all(_NONE not in types or default is None
+        self.absent_ok = absent_ok = all(_NONE not in types or default is None
                         for (_, types, _, _), default in zip(self.fields, _defaults(cls)))
         if absent_ok and math.prod(len(types) for _, types, _, _ in self.fields) <= 64:
             self.kinds = frozenset(itertools.product(*(types for _, types, _, _ in self.fields)))
@@ -100,6 +100,66 @@ class _Spec:
         # Key order on the wire: v, type, id, then the fields in class order (golden vectors).
         self.keys = ("v", "type", "id", *names)
         self.values = attrgetter("id", *names) if names else (lambda msg: (msg.id,))
+        self.encode_msg, self.encode_values = _make_encoders(self)
+        self.decode_fast = _make_decoder(self) if self.setters and absent_ok else None
+
+
+# Straight-line code per message class, written once at first use (as dataclasses writes
+# __init__): a dict literal to pack, named checks and setter calls, instead of zips and
+# loops over field tuples. Twice as fast as the generic code on a small message, and these
+# run once per message on every hop.
+def _make_encoders(spec: _Spec) -> tuple[Callable[..., bytes], Callable[..., bytes]]:
+    names = ("id", *spec.names)
+    args = [f"a{i}" for i in range(len(names))]
+    ns: dict[str, Any] = {"_packer": _packer, "_SP": SamplingParams}
+    items = [f"'v': {PROTOCOL_VERSION!r}", f"'type': {spec.tag!r}"]
+    for name, arg in zip(names, args):
+        if name in spec.nested:
+            items.append(f"{name!r}: {arg}.to_wire() if isinstance({arg}, _SP) else {arg}")
+        else:
+            items.append(f"{name!r}: {arg}")
+    body = "_packer()({" + ", ".join(items) + "})"
+    src = (f"def encode_values({', '.join(args)}):\n    return {body}\n"
+           f"def encode_msg(m):\n    return encode_values({', '.join(f'm.{n}' for n in names)})\n")
+    exec(src, ns)
+    return ns["encode_msg"], ns["encode_values"]
+
+
+def _make_decoder(spec: _Spec) -> Callable[[dict[str, Any], str], Message | None]:
+    """``fast(header, msg_id)``: the message when every field has a type a valid header may
+    have (an absent one reads as None), else None (the caller then goes field by field)."""
+    ns: dict[str, Any] = {"_new": _new, "_cls": spec.cls, "_nested": _nested_value, "_tag": spec.tag}
+    lines = ["def fast(h, msg_id):"]
+    checks = []
+    for i, (name, types, contents, _) in enumerate(spec.fields):
+        lines.append(f"    f{i} = h.get({name!r})")
+        if len(types) == 1:
+            ns[f"T{i}"] = next(iter(types))
+            checks.append(f"type(f{i}) is T{i}")
+        else:
+            ns[f"T{i}"] = types
+            checks.append(f"type(f{i}) in T{i}")
+        if contents is not None:
+            ns[f"C{i}"] = contents
+            checks.append(f"(not f{i} or C{i}(f{i}))")
+    if checks:
+        lines.append(f"    if not ({' and '.join(checks)}):\n        return None")
+    for i in spec.nested_at:
+        lines.append(f"    if f{i} is not None:\n        f{i} = _nested(f{i}, _tag, msg_id)")
+    lines.append("    m = _new(_cls)")
+    for i, setter in enumerate(spec.setters):
+        ns[f"S{i}"] = setter
+        lines.append(f"    S{i}(m, {'msg_id' if i == 0 else f'f{i - 1}'})")
+    lines.append("    return m")
+    exec("\n".join(lines) + "\n", ns)
+    return ns["fast"]
+
+
+def _nested_value(value: Any, type_tag: str, msg_id: str) -> SamplingParams:
+    try:
+        return SamplingParams.from_wire(value)
+    except (ValueError, TypeError) as exc:
+        raise DecodeError("bad_field", f"{type_tag}: {exc}", msg_id) from None
 
 
 def _defaults(cls: type[Message]) -> list[Any]:
@@ -129,13 +189,25 @@ def _packer() -> Callable[[Any], bytes]:
 
 def encode(msg: Message) -> bytes:
     """Encode a message to its header frame (the caller sends buffers as further frames)."""
-    spec = _SPECS.get(type(msg)) or _spec(type(msg))
-    header = dict(zip(spec.keys, (PROTOCOL_VERSION, spec.tag, *spec.values(msg))))
-    for name in spec.nested:
-        value = header[name]
-        if isinstance(value, SamplingParams):
-            header[name] = value.to_wire()
-    return _packer()(header)
+    return (_SPECS.get(type(msg)) or _spec(type(msg))).encode_msg(msg)
+
+
+def encode_values(cls: type[Message], *values: Any) -> bytes:
+    """``encode(cls(...))`` without making the message: ``values`` are its id and then every
+    field, in class order. For hot paths that hold the values already."""
+    return (_SPECS.get(cls) or _spec(cls)).encode_values(*values)
+
+
+def build(cls: type[Message], *values: Any) -> Message:
+    """``cls(...)`` from its id and then every field, in class order, in half the time:
+    for hot paths whose values are right by construction (nothing is checked)."""
+    spec = _SPECS.get(cls) or _spec(cls)
+    if not spec.setters or len(values) != len(spec.setters):
+        return cls(**dict(zip(("id", *spec.names), values)))
+    msg = _new(cls)
+    for set_field, value in zip(spec.setters, values):
+        set_field(msg, value)
+    return msg
 
 
 def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict[str, Any]:
@@ -181,26 +253,17 @@ def _from_header(header: dict[str, Any]) -> Message:
     if cls is None:
         raise DecodeError("unknown_type", f"unknown message type {type_tag!r}", msg_id)
     spec = _SPECS.get(cls) or _spec(cls)
-    # Fast path, all in C but for the container checks: the header has exactly the types
-    # a valid one may have. Anything else goes the field-by-field way, which names the
-    # field at fault.
-    found = tuple(map(header.get, spec.names))
-    if tuple(map(type, found)) in spec.kinds:
-        for i, contents in spec.contents:
-            value = found[i]
-            if value and not contents(value):
-                break
-        else:
-            if not spec.setters:
-                values = dict(zip(spec.names, found))
-                values["id"] = msg_id
-                return _build(spec, values, type_tag, msg_id)
-            if spec.nested:
-                found = _nested(spec, found, type_tag, msg_id)
-            msg = _new(cls)
-            for set_field, value in zip(spec.setters, (msg_id, *found)):
-                set_field(msg, value)
+    if spec.decode_fast is not None:
+        msg = spec.decode_fast(header, msg_id)
+        if msg is not None:
             return msg
+    elif tuple(map(type, map(header.get, spec.names))) in spec.kinds:
+        found = tuple(map(header.get, spec.names))
+        if all(not found[i] or contents(found[i]) for i, contents in spec.contents):
+            values = dict(zip(spec.names, found))
+            values["id"] = msg_id
+            return _build(spec, values, type_tag, msg_id)
+    # Anything else goes the field-by-field way, which names the field at fault.
     values: dict[str, Any] = {"id": msg_id}
     for name, types, contents, required in spec.fields:
         value = header.get(name, _MISSING)
@@ -215,17 +278,6 @@ def _from_header(header: dict[str, Any]) -> Message:
             )
         values[name] = value
     return _build(spec, values, type_tag, msg_id)
-
-
-def _nested(spec: _Spec, found: tuple[Any, ...], type_tag: str, msg_id: str) -> list[Any]:
-    values = list(found)
-    for i in spec.nested_at:
-        if values[i] is not None:
-            try:
-                values[i] = SamplingParams.from_wire(values[i])
-            except (ValueError, TypeError) as exc:
-                raise DecodeError("bad_field", f"{type_tag}: {exc}", msg_id) from None
-    return values
 
 
 def _build(spec: _Spec, values: dict[str, Any], type_tag: str, msg_id: str) -> Message:

@@ -177,3 +177,14 @@ def test_a_batch_whose_messages_field_is_not_a_list_is_rejected():
     with pytest.raises(codec.DecodeError) as err:
         codec.decode([raw])
     assert err.value.code == "bad_field"
+
+
+# ------------------------------------------------------------------------------ fast paths
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.TYPE.value)
+def test_build_and_encode_values_match_the_constructor_and_encode(msg):
+    values = (msg.id, *(getattr(msg, f) for f in codec._spec(type(msg)).names))
+    built = codec.build(type(msg), *values)
+    assert built == msg and type(built) is type(msg)
+    assert codec.encode_values(type(msg), *values) == codec.encode(msg)
+    with pytest.raises(TypeError):
+        codec.encode_values(type(msg), *values, "one too many")
