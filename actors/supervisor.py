@@ -645,8 +645,16 @@ class Supervisor:
         )
         self.table.add(entry)
         self._per_origin[origin] = count + 1
-        self._pending.append(entry)
-        self._pump()
+        if self._pending or self._paused:
+            self._pending.append(entry)  # behind those already waiting
+            self._pump()
+            return entry
+        # Nothing waits: what _pump would do for this one entry, without the queue.
+        worker_id = self.router.choose(session_id or request_id)
+        if worker_id is None:
+            self._pending.append(entry)
+        else:
+            self._dispatch(entry, self.workers[worker_id])
         return entry
 
     def _pump(self) -> None:
@@ -672,10 +680,13 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
+        # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
+        header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
         try:
-            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
-            self._send_encoded(handle, codec.encode_values(Generate, inner, prompt_ids, params, entry.stream,
-                                                           None, None))
+            if handle.batched:
+                self._wsock.post(handle.identity, header)  # as _send_encoded does, one call less
+            else:
+                self._send_encoded(handle, header)
         except zmq.ZMQError as exc:  # the worker vanished between choose() and send
             logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
             self.router.on_finish(handle.worker_id)

@@ -8,12 +8,12 @@ The ZeroMQ FD is edge-triggered: a send, a recv or a ``ZMQ_EVENTS`` query may co
 notice of an incoming message. So a send made outside a drain is followed, once per loop
 iteration, by a check for messages; a drain checks again after its handler anyway.
 
-``post`` queues an encoded message instead of sending it: at the end of the loop iteration,
-each peer's queue goes out as one message, a ``batch`` when it holds more than one. Under
-load that turns dozens of sends and receives into one each (ZeroMQ's per-message cost, a
-wake-up of its I/O thread, is most of what a small message costs); a lone message goes out
-as itself, one callback later. ``send`` sends the queues first, so a peer always gets
-messages in the order they were given.
+``post`` sends the first message a peer gets in a loop iteration at once and queues the
+ones after it: at the end of the iteration they go out as one ``batch`` message (cut at
+BATCH_COUNT messages or BATCH_BYTES). Under load that turns dozens of sends and receives
+into one each (ZeroMQ's per-message cost, a wake-up of its I/O thread, is most of what a
+small message costs), while a request made alone still leaves without waiting. ``send``
+sends the queues first, so a peer always gets messages in the order they were given.
 
 Per call (pyzmq 27): a non-blocking recv that finds nothing raises ``zmq.Again`` (~3 us
 with the exception), a ``ZMQ_EVENTS`` query costs ~1.3 us, and pyzmq's ``recv_multipart``
@@ -70,7 +70,8 @@ class LoopSocket:
         self._closed = False
         # Posted messages: route (None on a DEALER) -> [encoded messages, their total bytes]
         self._posted: dict[bytes | None, list[Any]] = {}
-        self._flush_scheduled = False
+        self._turn_scheduled = False
+        self._sent: set[bytes | None] = set()  # peers that got a message this loop iteration
         self._on_post_error = on_post_error
         # The backend's send, under pyzmq's Python-level wrapper (which only adds the
         # routing_id and group options of draft sockets): half the cost per frame.
@@ -138,28 +139,39 @@ class LoopSocket:
         self._schedule_drain()
 
     def post(self, route: bytes | None, encoded: bytes) -> None:
-        """Queue one encoded message (a header frame without buffers) for ``route``: a peer's
-        identity on a ROUTER, None on a DEALER. It goes out at the end of this loop iteration,
-        with the others queued for the same peer, in order. Send errors go to on_post_error."""
+        """Send one encoded message (a header frame without buffers) to ``route``: a peer's
+        identity on a ROUTER, None on a DEALER. The first one a peer gets in a loop iteration
+        goes at once; the ones after it wait for the end of the iteration and go together,
+        in order. Send errors go to on_post_error."""
         queue = self._posted.get(route)
-        if queue is not None and queue[1] + len(encoded) <= BATCH_BYTES:
-            items = queue[0]
-            items.append(encoded)
-            queue[1] += len(encoded)
-            if len(items) >= BATCH_COUNT:
-                del self._posted[route]
-                self._send_posted(route, items)
+        if queue is None:
+            if not self._turn_scheduled:
+                self._turn_scheduled = True
+                self._loop.call_soon(self._end_turn)
+            if route not in self._sent:
+                self._sent.add(route)
+                self._send_posted(route, [encoded])
+                return
+            self._posted[route] = [[encoded], len(encoded)]
             return
-        if queue is not None:  # full: it goes now, and this message starts the next
+        if queue[1] + len(encoded) > BATCH_BYTES:  # full: it goes now, and this message starts the next
+            self._posted[route] = [[encoded], len(encoded)]
             self._send_posted(route, queue[0])
-        self._posted[route] = [[encoded], len(encoded)]
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self.flush)
+            return
+        items = queue[0]
+        items.append(encoded)
+        queue[1] += len(encoded)
+        if len(items) >= BATCH_COUNT:
+            del self._posted[route]
+            self._send_posted(route, items)
+
+    def _end_turn(self) -> None:
+        self._turn_scheduled = False
+        self.flush()
+        self._sent.clear()
 
     def flush(self) -> None:
-        """Send every posted message now (called by the loop; harmless at any time)."""
-        self._flush_scheduled = False
+        """Send every posted message now (harmless at any time)."""
         while self._posted:
             posted, self._posted = self._posted, {}
             for route, (items, _) in posted.items():

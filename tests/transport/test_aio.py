@@ -42,24 +42,20 @@ def received(dealer, timeout_ms=2000):
     return out
 
 
-async def test_posts_in_one_iteration_go_out_as_one_batch_in_order(pair):
+async def test_the_first_post_goes_at_once_and_the_rest_of_the_iteration_as_one_batch(pair):
     router, dealer = pair
     lsock = LoopSocket(router, lambda frames: None)
     msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(10)]
     for m in msgs:
         lsock.post(b"peer", codec.encode(m))
-    assert not dealer.poll(50)  # nothing before the loop iteration ends
+    assert dealer.poll(2000)  # the first, before the loop iteration ends
+    assert codec.decode([dealer.recv()]) == msgs[0]
+    assert not dealer.poll(50)  # the others wait for it
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert received(dealer) == [msgs]
-    lsock.close()
-
-
-async def test_a_lone_post_goes_out_as_the_message_itself(pair):
-    router, dealer = pair
-    lsock = LoopSocket(router, lambda frames: None)
+    assert received(dealer) == [msgs[1:]]
+    # A new iteration: its first message goes alone again.
     lsock.post(b"peer", codec.encode(Stats(id="s1")))
-    await asyncio.sleep(0.01)
     assert dealer.poll(2000)
     assert msgpack.unpackb(dealer.recv())["type"] == "stats"
     lsock.close()
@@ -68,27 +64,30 @@ async def test_a_lone_post_goes_out_as_the_message_itself(pair):
 async def test_batches_are_cut_by_count_and_by_bytes(pair, monkeypatch):
     router, dealer = pair
     lsock = LoopSocket(router, lambda frames: None)
-    msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(aio.BATCH_COUNT * 2 + 3)]
+    msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(1 + aio.BATCH_COUNT * 2 + 3)]
     for m in msgs:
         lsock.post(b"peer", codec.encode(m))
     await asyncio.sleep(0.01)
     got = received(dealer)
-    assert [len(b) for b in got] == [aio.BATCH_COUNT, aio.BATCH_COUNT, 3]
+    assert [len(b) for b in got] == [1, aio.BATCH_COUNT, aio.BATCH_COUNT, 3]
     assert [m for b in got for m in b] == msgs
 
     monkeypatch.setattr(aio, "BATCH_BYTES", 3000)
-    big = [Chunk(id=f"b{i}", token_ids=list(range(1000, 1500))) for i in range(4)]  # ~1.5 kB each
+    big = [Chunk(id=f"b{i}", token_ids=list(range(1000, 1500))) for i in range(5)]  # ~1.5 kB each
     for m in big:
         lsock.post(b"peer", codec.encode(m))
     await asyncio.sleep(0.01)
     got = received(dealer)
-    assert [len(b) for b in got] == [1, 1, 1, 1] and [b[0] for b in got] == big
+    assert [len(b) for b in got] == [1, 1, 1, 1, 1] and [b[0] for b in got] == big
     lsock.close()
 
 
 async def test_send_goes_after_what_was_posted_and_close_flushes(pair):
     router, dealer = pair
     lsock = LoopSocket(router, lambda frames: None)
+    lsock.post(b"peer", codec.encode(Stats(id="zeroth")))  # goes at once
+    assert dealer.poll(2000)
+    assert msgpack.unpackb(dealer.recv())["id"] == "zeroth"
     lsock.post(b"peer", codec.encode(Stats(id="first")))
     lsock.send([b"peer", codec.encode(Stats(id="second")), b"bulk"])
     lsock.post(b"peer", codec.encode(Stats(id="third")))
@@ -106,9 +105,10 @@ async def test_a_post_to_a_gone_peer_reaches_the_error_callback_and_others_still
     router, dealer = pair
     errors = []
     lsock = LoopSocket(router, lambda frames: None, on_post_error=lambda route, exc: errors.append((route, exc.errno)))
-    lsock.post(b"nobody", codec.encode(Stats(id="lost")))
-    lsock.post(b"peer", codec.encode(Stats(id="kept")))
+    for i in range(3):  # at once, then batched
+        lsock.post(b"nobody", codec.encode(Stats(id=f"lost{i}")))
+        lsock.post(b"peer", codec.encode(Stats(id=f"kept{i}")))
     await asyncio.sleep(0.01)
-    assert errors == [(b"nobody", zmq.EHOSTUNREACH)]
-    assert received(dealer) == [[Stats(id="kept")]]
+    assert errors == [(b"nobody", zmq.EHOSTUNREACH)] * 2
+    assert received(dealer) == [[Stats(id="kept0")], [Stats(id="kept1"), Stats(id="kept2")]]
     lsock.close()
