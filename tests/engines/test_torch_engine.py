@@ -207,7 +207,9 @@ async def test_abort_ends_one_stream_and_spares_the_other(engine, hf):
     await engine.abort("victim")
     rest = [out async for out in stream]
     tokens = first.token_ids + [t for out in rest for t in out.token_ids]
-    assert rest[-1].finish_reason == "abort" and rest[-1].token_ids == []
+    # The last output ends the stream with "abort"; it may carry the tokens of steps made
+    # before the abort landed (outputs waiting for a slow reader are merged into one).
+    assert rest[-1].finish_reason == "abort" and all(out.finish_reason is None for out in rest[:-1])
     assert len(tokens) < 400
     spared = await other
     assert spared[2] == "length" and spared[0] == hf_greedy(hf, other_prompt, 48)
