@@ -465,7 +465,7 @@ class Supervisor:
         handle = self.workers.get((identity or b"").decode("utf-8", "replace"))
         if handle is None:
             return
-        logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
+        self._drops.log("worker_send_failed", logging.WARNING, "could not send to worker %s: %s", handle.worker_id, exc)
         if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
             # Its connection is gone: the monitor loop takes the death path, which resumes
             # or fails what was sent to it.
@@ -687,8 +687,9 @@ class Supervisor:
                 self._wsock.post(handle.identity, header)  # as _send_encoded does, one call less
             else:
                 self._send_encoded(handle, header)
-        except zmq.ZMQError as exc:  # the worker vanished between choose() and send
-            logger.warning("could not send to worker %s: %s", handle.worker_id, exc)
+        except zmq.ZMQError:  # (unbatched workers only) it vanished between choose() and send
+            # _send_encoded logged it; a posted message's error goes to _on_post_error instead,
+            # and the worker's death path resumes this request.
             self.router.on_finish(handle.worker_id)
             self.router.set_available(handle.worker_id, False)
             self.table.unbind(entry)
