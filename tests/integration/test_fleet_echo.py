@@ -22,7 +22,8 @@ from rollfleet.actors import FleetConfig, LLMClient, RemoteClient, Supervisor
 from rollfleet.actors.process import device_env
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import DuplicateRequest, RequestTimeout, WorkerLost, WorkerStartError
-from rollfleet.transport.messages import SamplingParams
+from rollfleet.transport import codec
+from rollfleet.transport.messages import Generate, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -286,6 +287,8 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
                 ([msgpack.packb({"v": 1, "type": "heartbeat", "id": "3"})], "unknown_type"),
                 ([msgpack.packb({"v": 1, "type": "abort", "id": "4", "request_id": "ghost"})], "unknown_request"),
                 ([msgpack.packb({"v": 1, "type": "control", "id": "5", "op": "reboot"})], "unknown_op"),
+                # batches are for workers: refused whole, the generate inside it never runs
+                ([codec.batch_frame([codec.encode(Generate(id="6", prompt_ids=[1]))])], "unknown_type"),
             ]
             for frames, code in cases:
                 await sock.send_multipart(frames)
@@ -295,6 +298,7 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
             sock.close(0)
             ctx.term()
         assert (await running).token_ids == expected_tokens([4], 30)
+        assert sup.counters["completed"] == 1  # "keep" alone: nothing in the refused batch ran
 
 
 def test_device_env_is_safe_and_maps_visible_devices():
