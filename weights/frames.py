@@ -2,7 +2,7 @@
 
 For a worker that shares no memory with the sender and is not in a collective group (a
 remote node without a torch.distributed route, a container without /dev/shm). The sender
-fills its own two buffers as usual; each bucket message carries ``buffer[:nbytes]`` as
+fills its own buffers as usual; each bucket message carries ``buffer[:nbytes]`` as
 frame 1, sent with copy=False; the worker reads the tensors straight out of that frame.
 Slower than shared memory or NCCL, but it needs nothing but the control socket.
 """

@@ -120,6 +120,13 @@ def _fill_executor() -> concurrent.futures.ThreadPoolExecutor:
         return _filler
 
 
+def _num_buffers(config: WeightSyncConfig, channels: list) -> int:
+    if config.num_buffers:
+        return config.num_buffers
+    on_gpu = any(getattr(getattr(ch, "device", None), "type", "cpu") == "cuda" for ch in channels)
+    return 2 if on_gpu else 3
+
+
 def _fill_threads(config: WeightSyncConfig) -> int:
     if config.fill_threads:
         return config.fill_threads
@@ -209,7 +216,7 @@ class WeightSender:
             first = next(buckets, None)
             single = first is None or first.last
             size = max(ALIGN, -(-first.nbytes // ALIGN) * ALIGN) if single and first else packer.capacity
-            num_buffers = 1 if single else 2
+            num_buffers = 1 if single else _num_buffers(cfg, channels)
             for ch in channels:
                 ch.allocate(size, num_buffers, packer.capacity)
             begun = True

@@ -37,20 +37,28 @@ async def test_update_delivers_every_tensor_bit_exact_to_every_worker(bucket_byt
         assert link.receiver.version == 7
         assert report.workers[link.worker_id].ok and report.workers[link.worker_id].transport == "shm"
         buffers = {m.buffer for m in link.sent if isinstance(m, WeightsBucket)}
-        assert buffers == ({0, 1} if report.num_buckets > 1 else {0})
+        # Three buffers by default on CPU; a single bucket needs only one.
+        assert buffers == (set(range(min(3, report.num_buckets))) if report.num_buckets > 1 else {0})
     assert mine() == []
 
 
-async def test_buffers_are_shared_once_per_update_not_per_bucket():
-    link, _ = local("a")
-    await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm")).update(make_weights(), 1, [link])
+@pytest.mark.parametrize("num_buffers, expected", [(0, 3), (2, 2), (4, 4)])
+async def test_buffers_are_shared_once_per_update_not_per_bucket(num_buffers, expected):
+    link, engine = local("a")
+    weights = make_weights()
+    config = WeightSyncConfig(bucket_bytes=256, transport="shm", num_buffers=num_buffers)
+    report = await WeightSender(config).update(iter(weights), 1, [link])
+    assert report.num_buckets > expected
     begins = [m for m in link.sent if type(m).__name__ == "WeightsBegin"]
-    assert len(begins) == 1 and len(begins[0].buffers) == 2
+    assert len(begins) == 1 and len(begins[0].buffers) == expected
+    assert {m.buffer for m in link.sent if isinstance(m, WeightsBucket)} == set(range(expected))
+    assert engine.digests() == {n: digest(t) for n, t in weights}
     allowed = {"name", "dtype", "shape", "offset", "nbytes", "part_offset", "total_nbytes"}
     assert all(set(e) <= allowed for m in link.sent if isinstance(m, WeightsBucket) for e in m.tensors)
 
 
-async def test_generator_is_consumed_at_most_two_buckets_ahead():
+@pytest.mark.parametrize("num_buffers", [2, 3])
+async def test_generator_is_consumed_at_most_num_buffers_buckets_ahead(num_buffers):
     taken = []
 
     def gen():
@@ -65,10 +73,11 @@ async def test_generator_is_consumed_at_most_two_buckets_ahead():
 
     seen = []
     link, engine = local("a", Watching())
-    await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm")).update(gen(), 1, [link])
+    await WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm", num_buffers=num_buffers)).update(
+        gen(), 1, [link])
     assert len(engine.weights) == 40
     for loaded, pulled in seen:
-        assert pulled <= loaded + 4 * 2 + 1 + 4  # this bucket, two more, one pending
+        assert pulled <= loaded + 4 * num_buffers + 1 + 4  # this bucket, the other buffers', one pending
 
 
 async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_names_the_worker():
@@ -156,3 +165,9 @@ def test_config_is_validated():
     for bad in ({"bucket_bytes": 10}, {"transport": "carrier-pigeon"}, {"timeout_s": 0}, {"device": "cpu"}):
         with pytest.raises(ValueError):
             WeightSyncConfig(**bad)
+
+
+@pytest.mark.parametrize("bad", [1, -1, 17, 2.0, "3", True])
+def test_num_buffers_must_be_auto_or_2_to_16(bad):
+    with pytest.raises(ValueError, match="num_buffers"):
+        WeightSyncConfig(num_buffers=bad)
