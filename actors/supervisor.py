@@ -683,10 +683,7 @@ class Supervisor:
         # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
         header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
         try:
-            if handle.batched:
-                self._wsock.post(handle.identity, header)  # as _send_encoded does, one call less
-            else:
-                self._send_encoded(handle, header)
+            self._send_encoded(handle, header)
         except zmq.ZMQError:  # (unbatched workers only) it vanished between choose() and send
             # _send_encoded logged it; a posted message's error goes to _on_post_error instead,
             # and the worker's death path resumes this request.

@@ -12,11 +12,8 @@ be read, the correlation id, so the caller can answer with an ``error`` message.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import threading
 import typing
-from operator import attrgetter
 from types import MemberDescriptorType
 from typing import Any, Callable, Sequence
 
@@ -55,8 +52,8 @@ class DecodeError(Exception):
 class _Spec:
     """What the codec needs of one message class, worked out once from its annotations."""
 
-    __slots__ = ("cls", "tag", "keys", "values", "nested", "nested_at", "fields", "names", "kinds", "contents",
-                 "setters", "absent_ok", "encode_msg", "encode_values", "decode_fast")
+    __slots__ = ("cls", "tag", "nested", "nested_at", "fields", "names", "setters", "encode_msg", "encode_values",
+                 "decode_fast")
 
     def __init__(self, cls: type[Message]):
         hints: dict[str, Any] | None = None
@@ -81,15 +78,10 @@ class _Spec:
         self.tag = cls.TYPE.value
         self.names = tuple(names)
         self.nested_at = tuple(names.index(name) for name in self.nested)
-        # For the fast path of decode: every tuple of value types a valid header can have
-        # (an absent field reads as None), and the fields whose contents need a check.
-        self.kinds: frozenset[tuple[type, ...]] = frozenset()
-        self.absent_ok = absent_ok = all(_NONE not in types or default is None
+        # The fast decoder reads an absent field as None: right only where a field that takes
+        # None has None for its default (else the field-by-field path fills the default).
+        absent_ok = all(_NONE not in types or default is None
                         for (_, types, _, _), default in zip(self.fields, _defaults(cls)))
-        if absent_ok and math.prod(len(types) for _, types, _, _ in self.fields) <= 64:
-            self.kinds = frozenset(itertools.product(*(types for _, types, _, _ in self.fields)))
-        self.contents = tuple((i, contents) for i, (_, _, contents, _) in enumerate(self.fields)
-                              if contents is not None)
         # A frozen dataclass sets its fields with object.__setattr__, that is through these
         # slot descriptors; called directly they build a message in half the time __init__
         # takes. Only for checked values, and classes without __post_init__.
@@ -98,8 +90,6 @@ class _Spec:
         if all(isinstance(d, MemberDescriptorType) for d in slots) and not hasattr(cls, "__post_init__"):
             self.setters = tuple(d.__set__ for d in slots)
         # Key order on the wire: v, type, id, then the fields in class order (golden vectors).
-        self.keys = ("v", "type", "id", *names)
-        self.values = attrgetter("id", *names) if names else (lambda msg: (msg.id,))
         self.encode_msg, self.encode_values = _make_encoders(self)
         self.decode_fast = _make_decoder(self) if self.setters and absent_ok else None
 
@@ -257,12 +247,6 @@ def _from_header(header: dict[str, Any]) -> Message:
         msg = spec.decode_fast(header, msg_id)
         if msg is not None:
             return msg
-    elif tuple(map(type, map(header.get, spec.names))) in spec.kinds:
-        found = tuple(map(header.get, spec.names))
-        if all(not found[i] or contents(found[i]) for i, contents in spec.contents):
-            values = dict(zip(spec.names, found))
-            values["id"] = msg_id
-            return _build(spec, values, type_tag, msg_id)
     # Anything else goes the field-by-field way, which names the field at fault.
     values: dict[str, Any] = {"id": msg_id}
     for name, types, contents, required in spec.fields:
