@@ -368,20 +368,28 @@ class EngineWorker:
                     self._receiver = WeightReceiver(self.engine, device=device)
                     self._receiver.version = self.weight_version
                     _PARENT_DEATH_CLEANUPS.append(self._receiver.unlink_orphans)  # kept shm names
-                data = await self._receiver.handle(msg, buffers)
-            except Unsupported as exc:
-                self._sync_version()
-                self._send(Error(id=msg.id, code=exc.code, message=str(exc)))
-                return
+                data, pending = await self._receiver.start(msg, buffers)
             except Exception as exc:
-                self._sync_version()
-                logger.exception("weight update failed")
-                self._send(Error(id=msg.id, code="weights_failed", message=repr(exc)))
-                if _is_fatal(exc) or getattr(self.engine, "dead", False):
-                    await self._fatal(f"engine died loading weights: {exc!r}")
+                await self._weights_failed(msg, exc)
                 return
-            self._sync_version()
-            self._send(Reply(id=msg.id, data=data))
+        try:
+            # A bucket's copies may still run on the GPU: the next bucket starts meanwhile.
+            await self._receiver.finish(pending)
+        except Exception as exc:
+            await self._weights_failed(msg, exc)
+            return
+        self._sync_version()
+        self._send(Reply(id=msg.id, data=data))
+
+    async def _weights_failed(self, msg: Message, exc: Exception) -> None:
+        self._sync_version()
+        if isinstance(exc, Unsupported):
+            self._send(Error(id=msg.id, code=exc.code, message=str(exc)))
+            return
+        logger.exception("weight update failed")
+        self._send(Error(id=msg.id, code="weights_failed", message=repr(exc)))
+        if _is_fatal(exc) or getattr(self.engine, "dead", False):
+            await self._fatal(f"engine died loading weights: {exc!r}")
 
     def _sync_version(self) -> None:
         # The receiver knows: the committed version, or -1 after a partly applied failure.

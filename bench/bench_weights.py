@@ -10,7 +10,10 @@ from the call to ``update`` until every worker has committed the version.
   these rows: it is a separate cost (a fresh CPU copy of the whole model), measured once in
   its own row ``shm_keep_last``.
 - ``cuda_ipc`` (with a GPU): the same sender and receiver without the engine: a worker process
-  whose engine copies every tensor into preallocated CUDA tensors (``ParamEngine``).
+  whose engine copies every tensor into preallocated CUDA tensors (``ParamEngine``), with
+  ``--cuda-total-gb`` of weights (GPUs copy too fast for less to say much). Two rows: the
+  default, where the engine reads the trainer's tensors in place (one copy), and
+  ``cuda_ipc_buffered`` (``in_place=False``: trainer -> buffer -> engine, two copies).
 - Baselines, measured in the same run, interleaved with the updates (best of each):
   ``memcpy``: one copy of the same bytes into preallocated CPU tensors (best of 1 thread and
   torch's default thread count); ``d2d``: one device-to-device copy into preallocated tensors.
@@ -34,15 +37,15 @@ import time
 
 import torch
 import zmq
-import zmq.asyncio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_parser, machine_info, png_path, print_table, write_json  # noqa: E402
 
 from rollfleet.engines.base import Engine  # noqa: E402
 from rollfleet.errors import RequestTimeout, from_code  # noqa: E402
-from rollfleet.transport.codec import decode, encode  # noqa: E402
-from rollfleet.transport.messages import Error, Register, Reply, Shutdown  # noqa: E402
+from rollfleet.transport.aio import LoopSocket  # noqa: E402
+from rollfleet.transport.codec import decode, encode, unbatch  # noqa: E402
+from rollfleet.transport.messages import Batch, Error, Register, Shutdown  # noqa: E402
 from rollfleet.transport.sockets import make_socket  # noqa: E402
 from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, release_buffers  # noqa: E402
 
@@ -78,37 +81,45 @@ class ParamEngine(Engine):
                 dst.copy_(t)
 
 
-async def worker(addr: str, worker_id: str, device: str) -> None:
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.DEALER, addr, bind=False, identity=worker_id.encode())
-    receiver = WeightReceiver(ParamEngine(device), device=device)
-    await sock.send_multipart([encode(Register(id="r", worker_id=worker_id, pid=os.getpid(), engine="params",
-                                               device=device))])  # (header,)
-    while True:
-        (raw,) = await sock.recv_multipart()
-        msg = decode([raw])
-        if isinstance(msg, Shutdown):
-            break
-        try:
-            answer = Reply(id=msg.id, data=await receiver.handle(msg))
-        except Exception as exc:
-            answer = Error(id=msg.id, code=getattr(exc, "code", "internal"), message=str(exc))
-        await sock.send_multipart([encode(answer)])  # (header,)
-    receiver.close()
-    sock.close(linger=0)
-    ctx.term()
+def worker(addr: str, worker_id: str, device: str) -> None:
+    """rollfleet's own engine worker process (its sockets, receiver and message handling),
+    serving ParamEngine."""
+    from rollfleet.actors import worker as engine_worker
+
+    engine_worker.create_engine = lambda name, options=None: ParamEngine(device)
+    ew = engine_worker.EngineWorker({"worker_id": worker_id, "addr": addr, "engine": "params", "device": device})
+    try:
+        import uvloop
+
+        uvloop.run(ew.run())
+    except ImportError:
+        asyncio.run(ew.run())
 
 
 class Link:
-    """A minimal WorkerLink over a ROUTER socket (the supervisor's role in this bench)."""
+    """A minimal WorkerLink over a ROUTER socket read by rollfleet's LoopSocket (the
+    supervisor's role in this bench; registration and heartbeats are ignored)."""
 
-    def __init__(self, sock, worker_id: str, device: str) -> None:
-        self.sock, self.worker_id, self.device, self.host = sock, worker_id, device, ""
+    def __init__(self, device: str) -> None:
+        self.sock: LoopSocket | None = None  # sends through it: a bare send could eat the reader's wake-up
+        self.device, self.host = device, ""
+        self.worker_id = ""
+        self.registered = asyncio.get_running_loop().create_future()
         self.waiting: dict[str, asyncio.Future] = {}
+
+    def on_frames(self, frames) -> None:  # (identity, header)
+        msg = decode(frames[1:])
+        for one in unbatch(msg) if isinstance(msg, Batch) else [msg]:
+            if isinstance(one, Register) and not self.registered.done():
+                self.worker_id = one.worker_id
+                self.registered.set_result(one)
+            fut = self.waiting.pop(getattr(one, "id", ""), None)
+            if fut is not None and not fut.done():
+                fut.set_result(one)
 
     async def call(self, msg, timeout=None) -> dict:
         fut = self.waiting[msg.id] = asyncio.get_running_loop().create_future()
-        await self.sock.send_multipart([self.worker_id.encode(), encode(msg)])  # (identity, header)
+        self.sock.send([self.worker_id.encode(), encode(msg)])  # (identity, header)
         try:
             answer = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -118,31 +129,23 @@ class Link:
         return answer.data
 
 
-async def measure(transport: str, device: str, weights, buckets: list[int], reps: int) -> dict[int, float]:
+async def measure(transport: str, device: str, weights, buckets: list[int], reps: int,
+                  in_place: bool = True) -> dict[int, float]:
     """GB/s of an end-to-end update per bucket size, through one worker process."""
     tmp = tempfile.mkdtemp(prefix="rf-bench-")
     addr = f"ipc://{tmp}/hub.sock"
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.Context()
     sock = make_socket(ctx, zmq.ROUTER, addr, bind=True)
+    link = Link(device)
+    reader = link.sock = LoopSocket(sock, link.on_frames)
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", addr, "--device", device])
     try:
-        ident, raw = await asyncio.wait_for(sock.recv_multipart(), 120)
-        link = Link(sock, ident.decode(), device)
-
-        async def read() -> None:
-            while True:
-                _, raw = await sock.recv_multipart()
-                msg = decode([raw])
-                fut = link.waiting.pop(msg.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-
-        reader = asyncio.create_task(read())
+        await asyncio.wait_for(link.registered, 120)
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         out = {}
         for bucket in buckets:
-            cfg = WeightSyncConfig(bucket_bytes=bucket, transport=transport, timeout_s=300,
-                                   master_addr="127.0.0.1")
+            cfg = WeightSyncConfig(bucket_bytes=bucket, transport=transport, timeout_s=60,
+                                   master_addr="127.0.0.1", in_place=in_place)
             sender = WeightSender(cfg)
             await sender.update(iter(weights), 0, [link])  # warm-up: engine allocates its tensors
             best = 0.0
@@ -151,15 +154,15 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
                 await sender.update(iter(weights), rep + 1, [link])
                 best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
             out[bucket] = best
-        await sock.send_multipart([link.worker_id.encode(), encode(Shutdown(id="bye"))])  # (identity, header)
-        reader.cancel()
-        proc.wait(60)
+        reader.send([link.worker_id.encode(), encode(Shutdown(id="bye"))])  # (identity, header)
+        await asyncio.to_thread(proc.wait, 60)
         release_buffers()  # the worker has dropped its mappings: free ours before the next transport
         return out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.close()
         sock.close(linger=0)
         ctx.term()
 
@@ -264,13 +267,15 @@ def main() -> None:
     p.add_argument("--total-gb", type=float, default=1.0, help="bytes of weights per update (1-4)")
     p.add_argument("--buckets-mb", default="64,128,256,512,1024")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--cuda-total-gb", type=float, default=4.0,
+                   help="bytes of weights per cuda_ipc update, also with --quick (on the GPU, twice: sender and engine)")
     p.add_argument("--transports", default="shm,gloo,cuda_ipc",
                    help="comma-separated; cuda_ipc runs only with a GPU; shm/gloo need transformers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        asyncio.run(worker(args.worker, "w0", args.device))
+        worker(args.worker, "w0", args.device)
         return
     total = int(args.total_gb * (1 << 30))
     buckets = [int(b) * MB for b in args.buckets_mb.split(",")]
@@ -296,11 +301,15 @@ def main() -> None:
     result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets))
     result["memcpy_gbps"] = max(baseline)
     if "cuda_ipc" in wanted and torch.cuda.is_available():
-        gpu_weights = [(n, t.cuda()) for n, t in make_weights(total, "cpu")]
+        gpu_weights = make_weights(int(args.cuda_total_gb * (1 << 30)), "cuda")
+        gpu_reps = max(reps, 20)  # an update takes milliseconds here: best of many
         result["bytes_cuda"] = sum(t.numel() * t.element_size() for _, t in gpu_weights)
-        result["d2d_gbps"] = copy_gbps(gpu_weights, "cuda", reps)
-        curves["cuda_ipc"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, reps))
-        result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", reps))
+        result["d2d_gbps"] = copy_gbps(gpu_weights, "cuda", gpu_reps)
+        curves["cuda_ipc"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps))
+        result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", gpu_reps))
+        curves["cuda_ipc_buffered"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps,
+                                                          in_place=False))
+        result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", gpu_reps))
     for name, curve in curves.items():
         for bucket, gbps in curve.items():
             result[f"{name}_gbps_{bucket // MB}mb"] = gbps
@@ -309,6 +318,7 @@ def main() -> None:
         result["shm_vs_memcpy"] = result["shm_gbps"] / result["memcpy_gbps"]
     if "cuda_ipc_gbps" in result:
         result["cuda_ipc_vs_d2d"] = result["cuda_ipc_gbps"] / result["d2d_gbps"]
+        result["cuda_ipc_buffered_vs_d2d"] = result["cuda_ipc_buffered_gbps"] / result["d2d_gbps"]
 
     print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; GB/s end to end, best of {reps}")
     rows = [[name] + [curve.get(b) for b in buckets] for name, curve in curves.items()]
@@ -318,7 +328,9 @@ def main() -> None:
         print(f"   shm/memcpy {result['shm_vs_memcpy']:.2f} (goal >= 0.5)", end="")
     print()
     if "d2d_gbps" in result:
-        print(f"d2d    {result['d2d_gbps']:.2f} GB/s   cuda_ipc/d2d {result['cuda_ipc_vs_d2d']:.2f} (goal >= 0.7)")
+        print(f"d2d    {result['d2d_gbps']:.2f} GB/s ({result['bytes_cuda'] / 1e9:.2f} GB)   "
+              f"cuda_ipc/d2d {result['cuda_ipc_vs_d2d']:.2f} (goal >= 0.7), "
+              f"buffered {result['cuda_ipc_buffered_vs_d2d']:.2f}")
     if args.json:
         write_json(args.json, result)
     path = png_path(args)

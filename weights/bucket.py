@@ -12,11 +12,17 @@ current bucket and continues in the next ones.
 
 ``Packer`` pulls from the (name, tensor) iterable lazily, at most one tensor beyond the
 bucket it is building, so a generator that gathers one parameter at a time stays bounded.
+
+In place: with an ``in_place`` function (the cuda_ipc channel's), a tensor the receivers
+can read where it lies takes no room in the buffer; its entry says where it lies instead
+(``segment``, ``offset``: see cuda_ipc.export) and its source must stay alive until the
+bucket is loaded. Such tensors still count towards the bucket's size, which bounds how
+much of the trainer's memory one bucket pins; one larger than a bucket goes alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +40,7 @@ __all__ = [
     "unpack",
     "Assembler",
     "bucket_nbytes",
+    "check_whole",
 ]
 
 ALIGN = 64
@@ -90,6 +97,8 @@ class Bucket:
     parts: list[Part] = field(default_factory=list)
     nbytes: int = 0
     """Bytes used in the buffer: end of the last part."""
+    in_place: int = 0
+    """Bytes of the tensors read in place (no room in the buffer)."""
     num_taken: int = 0
     """Items pulled from the input so far, when this bucket was closed."""
     last: bool = False
@@ -99,6 +108,10 @@ class Bucket:
     def entries(self) -> list[dict[str, Any]]:
         return [p.entry for p in self.parts]
 
+    @property
+    def sources_in_place(self) -> list[torch.Tensor]:
+        return [p.source for p in self.parts if "segment" in p.entry]
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -107,12 +120,15 @@ class _Pending:
     nbytes: int
     done: int = 0
     flat: torch.Tensor | None = None
+    where: dict[str, Any] | None = None
+    """Set when the tensor is read in place: the entry's ``segment`` and ``offset``."""
 
 
 class Packer:
     """Iterate to get Buckets of at most ``bucket_bytes`` (rounded down to ALIGN) each."""
 
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 in_place: Callable[[torch.Tensor], dict[str, Any] | None] | None = None) -> None:
         capacity = bucket_bytes - bucket_bytes % ALIGN
         if capacity < ALIGN:
             raise ValueError(f"bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
@@ -120,6 +136,8 @@ class Packer:
         self.num_taken = 0
         self.num_tensors = 0
         self.nbytes = 0
+        self.nbytes_in_place = 0
+        self._in_place = in_place
         self._source = iter(named_tensors)
 
     def _take(self) -> _Pending | None:
@@ -137,15 +155,28 @@ class Packer:
         nbytes = tensor.numel() * tensor.element_size()
         self.num_tensors += 1
         self.nbytes += nbytes
-        return _Pending(name, tensor, nbytes)
+        where = self._in_place(tensor) if self._in_place is not None else None
+        if where is not None:
+            self.nbytes_in_place += nbytes
+        return _Pending(name, tensor, nbytes, where=where)
 
     def __iter__(self) -> Iterator[Bucket]:
         bucket = Bucket(0)
         pending = self._take()
         while pending is not None:
-            start = _align(bucket.nbytes)
-            room = self.capacity - start
             p = pending
+            if p.where is not None:
+                if bucket.parts and _align(bucket.nbytes) + bucket.in_place + p.nbytes > self.capacity:
+                    yield self._close(bucket, last=False)
+                    bucket = Bucket(bucket.index + 1)
+                entry = _entry(p, 0, p.nbytes)
+                entry.update(p.where)
+                bucket.parts.append(Part(entry, p.tensor))
+                bucket.in_place += p.nbytes
+                pending = self._take()
+                continue
+            start = _align(bucket.nbytes)
+            room = max(0, self.capacity - start - bucket.in_place)
             if p.done == 0 and p.nbytes <= room:
                 bucket.parts.append(Part(_entry(p, start, p.nbytes), p.tensor))
                 bucket.nbytes = start + p.nbytes
@@ -201,7 +232,7 @@ def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
         for part in bucket.parts:
             e = part.entry
             n = e["nbytes"]
-            if n == 0:
+            if n == 0 or "segment" in e:
                 continue
             dst = buffer[e["offset"] : e["offset"] + n]
             if "part_offset" in e:
@@ -215,11 +246,12 @@ def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
 
 
 def bucket_nbytes(entries: list[dict[str, Any]]) -> int:
-    """Bytes of a buffer that a bucket's entries use (what a collective must move)."""
-    return max((e["offset"] + e["nbytes"] for e in entries), default=0)
+    """Bytes of a buffer that a bucket's entries use (what a collective must move); entries
+    read in place (with ``segment``) use none."""
+    return max((e["offset"] + e["nbytes"] for e in entries if "segment" not in e), default=0)
 
 
-def _check(entry: Any, buffer_size: int) -> tuple[str, torch.dtype, list[int], int, int]:
+def _check(entry: Any, buffer_size: int | None) -> tuple[str, torch.dtype, list[int], int, int]:
     if type(entry) is not dict:
         raise ValueError("tensor entry must be a map")
     name, shape, offset, nbytes = entry.get("name"), entry.get("shape"), entry.get("offset"), entry.get("nbytes")
@@ -230,8 +262,19 @@ def _check(entry: Any, buffer_size: int) -> tuple[str, torch.dtype, list[int], i
         raise ValueError(f"{name}: 'shape' must be a list of ints >= 0")
     if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
         raise ValueError(f"{name}: 'offset' and 'nbytes' must be ints >= 0")
-    if offset + nbytes > buffer_size:
+    if buffer_size is not None and offset + nbytes > buffer_size:
         raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside the {buffer_size}-byte buffer")
+    return name, dtype, shape, offset, nbytes
+
+
+def check_whole(entry: Any) -> tuple[str, torch.dtype, list[int], int, int]:
+    """(name, dtype, shape, offset, nbytes) of an entry for a whole tensor, checked against
+    itself (bytes match the shape, offset aligned to the dtype); ValueError otherwise."""
+    name, dtype, shape, offset, nbytes = _check(entry, None)
+    if nbytes != _numel(shape) * dtype.itemsize:
+        raise ValueError(f"{name}: {nbytes} bytes do not match shape {shape} of {entry['dtype']}")
+    if offset % dtype.itemsize:
+        raise ValueError(f"{name}: offset {offset} is not aligned to {dtype.itemsize} bytes")
     return name, dtype, shape, offset, nbytes
 
 
@@ -250,11 +293,7 @@ def unpack(buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[st
         name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
         if "part_offset" in entry:
             raise ValueError(f"{name}: a split tensor part needs an Assembler")
-        itemsize = dtype.itemsize
-        if nbytes != _numel(shape) * itemsize:
-            raise ValueError(f"{name}: {nbytes} bytes do not match shape {shape} of {entry['dtype']}")
-        if offset % itemsize:
-            raise ValueError(f"{name}: offset {offset} is not aligned to {itemsize} bytes")
+        check_whole(entry)
         out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
     return out
 

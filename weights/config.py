@@ -40,6 +40,12 @@ class WeightSyncConfig:
     fill_threads: int = 0
     """CPU threads that copy tensors into a bucket's buffer; 0: half of torch's threads (at
     least 1), leaving the rest to the engines, which copy the previous bucket meanwhile."""
+    in_place: bool = True
+    """cuda_ipc: engines copy contiguous CUDA tensors (1 MiB or more, on the sender's device)
+    straight out of the trainer's memory, one copy instead of two (into a buffer, out of
+    it); such tensors are pinned only until their bucket is loaded, and up to four buckets
+    read wholly in place may be in flight. False: every byte goes through the buffers.
+    Updates that also have shm or collective workers use the buffers."""
     device: str = ""
     """CUDA device of the sender's buffers for cuda_ipc and nccl; '' means the current device."""
 
@@ -58,6 +64,8 @@ class WeightSyncConfig:
             raise ValueError(f"fill_threads must be an int >= 0, got {self.fill_threads!r}")
         if type(self.num_buffers) is not int or self.num_buffers not in range(2, 17) and self.num_buffers != 0:
             raise ValueError(f"num_buffers must be 0 (auto) or an int from 2 to 16, got {self.num_buffers!r}")
+        if type(self.in_place) is not bool:
+            raise ValueError(f"in_place must be a bool, got {self.in_place!r}")
         if type(self.keep_buffers) is not bool:
             raise ValueError(f"keep_buffers must be a bool, got {self.keep_buffers!r}")
         if self.device and not self.device.startswith("cuda"):

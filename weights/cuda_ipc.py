@@ -16,10 +16,20 @@ sender keeps its buffers after an update and sends the same handles again, tagge
 token; receivers keep the tensors they opened, keyed by that token (``open_cached``).
 A handle stays valid as long as the sender's memory lives, so a receiver that does not
 hold the token (a restarted worker) simply opens it.
+
+In place (one copy instead of two): a contiguous CUDA tensor of the trainer need not go
+through a buffer at all. ``export`` finds the allocation that holds it (the caching
+allocator's segment) and that allocation's IPC handle, both through the CUDA driver API;
+the bucket entry then says "segment k, offset o" and the engine copies straight out of
+the trainer's memory. ``Segments`` is the receiver's side: it maps each segment once and
+keeps the mapping while updates keep naming it (opening and closing a mapping costs about
+as much as copying 100 MB), closing the others at the end of each update. Memory the
+driver cannot export (``expandable_segments``, other allocators) goes through the buffers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import threading
 from typing import Any
@@ -28,7 +38,7 @@ import torch
 
 from .bucket import dtype_from_name, dtype_name
 
-__all__ = ["CudaIpcChannel", "share", "open_shared", "device_uuid", "release_kept"]
+__all__ = ["CudaIpcChannel", "Segments", "export", "share", "open_shared", "device_uuid", "release_kept"]
 
 _STORAGE_CLASSES = {"UntypedStorage": torch.UntypedStorage, "TypedStorage": torch.storage.TypedStorage}
 
@@ -100,6 +110,168 @@ def open_shared(desc: dict[str, Any], device_index: int | None = None) -> torch.
     return rebuild_cuda_tensor(*args)
 
 
+# ---------------------------------------------------------------- driver API (in place)
+
+HANDLE_BYTES = 64
+IN_PLACE_MIN_BYTES = 1 << 20
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class _Driver:
+    """The few CUDA driver calls the in-place path needs, through ctypes (libcuda.so.1)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, size_t, uint, ptr = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.POINTER
+        self.get_range = lib.cuMemGetAddressRange_v2
+        self.get_range.argtypes = [ptr(u64), ptr(size_t), u64]
+        self.get_handle = lib.cuIpcGetMemHandle
+        self.get_handle.argtypes = [ptr(_Handle), u64]
+        self.open_handle = lib.cuIpcOpenMemHandle_v2
+        self.open_handle.argtypes = [ptr(u64), _Handle, uint]
+        self.close_handle = lib.cuIpcCloseMemHandle
+        self.close_handle.argtypes = [u64]
+        self.retain = lib.cuDevicePrimaryCtxRetain
+        self.retain.argtypes = [ptr(ctypes.c_void_p), ctypes.c_int]
+        self.push = lib.cuCtxPushCurrent_v2
+        self.push.argtypes = [ctypes.c_void_p]
+        self.pop = lib.cuCtxPopCurrent_v2
+        self.pop.argtypes = [ptr(ctypes.c_void_p)]
+        self._contexts: dict[int, ctypes.c_void_p] = {}
+
+    def context(self, device: int) -> ctypes.c_void_p:
+        """The primary context of ``device`` (the one torch uses), retained once."""
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            ctx = ctypes.c_void_p()
+            _check(self.retain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+            self._contexts[device] = ctx
+        return ctx
+
+
+_driver: _Driver | None = None
+_driver_lock = threading.Lock()
+
+
+def _get_driver() -> _Driver:
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed (CUresult {result})")
+
+
+class _Current:
+    """Makes a device's primary context current on this thread for a few driver calls."""
+
+    def __init__(self, drv: _Driver, device: int) -> None:
+        self.drv, self.ctx = drv, drv.context(device)
+
+    def __enter__(self) -> None:
+        _check(self.drv.push(self.ctx), "cuCtxPushCurrent")
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drv.pop(ctypes.byref(ctypes.c_void_p()))
+
+
+def export(tensor: torch.Tensor) -> tuple[bytes, int, int] | None:
+    """(IPC handle of the allocation holding ``tensor``, the allocation's base address, the
+    tensor's byte offset in it), or None when the driver cannot export that memory
+    (not a plain cudaMalloc allocation, e.g. with ``expandable_segments``)."""
+    if not tensor.is_cuda or not tensor.is_contiguous():
+        return None
+    try:
+        drv = _get_driver()
+        base, size, handle = ctypes.c_uint64(), ctypes.c_size_t(), _Handle()
+        ptr = tensor.data_ptr()
+        with _Current(drv, tensor.device.index):
+            if drv.get_range(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
+                return None
+            if drv.get_handle(ctypes.byref(handle), base.value) != 0:
+                return None
+    except (OSError, RuntimeError, AttributeError):
+        return None
+    return bytes(handle), base.value, ptr - base.value
+
+
+class _Array:
+    """A device pointer in the ``__cuda_array_interface__`` form torch.as_tensor takes."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class Segments:
+    """The receiver's mappings of the sender's segments, by handle, kept across updates.
+
+    ``open`` maps a segment (or returns the mapping it already has) as a flat uint8 tensor;
+    ``end_update`` closes the mappings the update just ended did not use; ``close`` closes
+    all. Views handed to the engine must not outlive the update (the engine copies)."""
+
+    def __init__(self, device_index: int) -> None:
+        self.device = device_index
+        self._mapped: dict[bytes, tuple[int, torch.Tensor]] = {}
+        self._used: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+    def open(self, handle: bytes) -> torch.Tensor:
+        if type(handle) is not bytes or len(handle) != HANDLE_BYTES:
+            raise ValueError(f"a segment handle must be {HANDLE_BYTES} bytes")
+        held = self._mapped.get(handle)
+        if held is None:
+            drv = _get_driver()
+            ptr, base, size = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
+            with _Current(drv, self.device):
+                result = drv.open_handle(ctypes.byref(ptr), _Handle.from_buffer_copy(handle), 1)  # lazy peer access
+                if result != 0:
+                    raise ValueError(f"cannot open the sender's CUDA memory (CUresult {result})")
+                if drv.get_range(ctypes.byref(base), ctypes.byref(size), ptr.value) != 0:
+                    drv.close_handle(ptr.value)
+                    raise ValueError("cannot size the sender's CUDA memory")
+            flat = torch.as_tensor(_Array(ptr.value, size.value), device=f"cuda:{self.device}")
+            held = self._mapped[handle] = (ptr.value, flat)
+        self._used.add(handle)
+        return held[1]
+
+    def holds(self, handle: Any, flat: torch.Tensor) -> bool:
+        held = self._mapped.get(handle) if type(handle) is bytes else None
+        return held is not None and held[1] is flat
+
+    def end_update(self) -> None:
+        for handle in [h for h in self._mapped if h not in self._used]:
+            self._close(handle)
+        self._used = set()
+
+    def close(self) -> None:
+        for handle in list(self._mapped):
+            self._close(handle)
+        self._used = set()
+
+    def _close(self, handle: bytes) -> None:
+        ptr, _ = self._mapped.pop(handle)
+        try:
+            drv = _get_driver()
+            with _Current(drv, self.device):
+                drv.close_handle(ptr)
+        except (OSError, RuntimeError) as exc:  # the context may be gone at exit
+            import logging
+
+            logging.getLogger(__name__).debug("closing a CUDA IPC mapping failed: %s", exc)
+
+
+# ---------------------------------------------------------------- transfer buffers
+
+
 class _Buffers:
     def __init__(self, device: torch.device, size: int, count: int) -> None:
         self.token = secrets.token_hex(8)
@@ -140,7 +312,24 @@ class CudaIpcChannel:
         self.buffers: list[torch.Tensor] = []
         self._set: _Buffers | None = None
         self._count = 0
-        self._stream: Any = None
+        self._segments: dict[bytes, int] = {}
+
+    def in_place(self, tensor: torch.Tensor) -> dict[str, Any] | None:
+        """Where the receivers can read ``tensor`` in place ({'segment', 'offset'}, and
+        'handle' the first time this update names the segment), or None: then it goes
+        through the buffers. Only contiguous tensors of IN_PLACE_MIN_BYTES or more on this
+        channel's device: below that a copy into the buffer costs less than a view."""
+        if tensor.device != self.device or tensor.numel() * tensor.element_size() < IN_PLACE_MIN_BYTES:
+            return None
+        exported = export(tensor)
+        if exported is None:
+            return None
+        handle, _base, offset = exported
+        index = self._segments.get(handle)
+        if index is None:
+            index = self._segments[handle] = len(self._segments)
+            return {"segment": index, "offset": offset, "handle": handle}
+        return {"segment": index, "offset": offset}
 
     def allocate(self, size: int, num_buffers: int, capacity: int | None = None) -> None:
         global _kept_busy

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +36,15 @@ import torch
 from ..errors import EngineFailed, InvalidRequest, RolloutError, Unsupported
 from ..transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
 from . import shm
-from .bucket import Assembler, bucket_nbytes
+from .bucket import Assembler, bucket_nbytes, check_whole
 from .config import TRANSPORTS
 
 __all__ = ["WeightReceiver"]
 
 logger = logging.getLogger(__name__)
+
+FINISH_POLL_S = 0.02
+"""How long ``finish`` polls a bucket's GPU copies before it waits in a thread."""
 
 
 def _update_id(msg_id: str) -> str:
@@ -66,6 +70,13 @@ class _Update:
     lora: dict[str, Any] | None = None
     """Set when the update carries a LoRA adapter: its tensors are collected, not loaded."""
     lora_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    segments: list[torch.Tensor] = field(default_factory=list)
+    """cuda_ipc in place: the sender's segments this update named, by number."""
+    failed: bool = False
+    """A bucket failed: the update cannot be committed (a sender may send the end without
+    waiting for the buckets' replies)."""
+    on_gpu: bool = False
+    """Buckets were copied on the GPU (their copies may still run when a bucket's reply is due)."""
 
 
 class WeightReceiver:
@@ -80,6 +91,7 @@ class WeightReceiver:
         # Buffers kept between updates: the sender's, by (token, index), and assembly space.
         self._mapped: dict[tuple[str, int], torch.Tensor] = {}
         self._assembler = Assembler(keep=True)
+        self._segments: Any = None  # cuda_ipc.Segments: the sender's memory, mapped in place
         # Engines that read buckets in another process and can hold them until the end (vLLM).
         self._can_stage = callable(getattr(engine, "commit_weights", None)) and callable(
             getattr(engine, "discard_weights", None)
@@ -91,43 +103,89 @@ class WeightReceiver:
     async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> dict[str, Any]:
         """Apply one weights message; returns the Reply data. ``buffers`` are the message's
         extra frames (the bucket bytes, on the zmq transport). Raises RolloutError."""
+        data, pending = await self.start(msg, buffers)
+        await self.finish(pending)
+        return data
+
+    async def start(self, msg: WeightsBegin | WeightsBucket | WeightsEnd,
+                    buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
+        """``handle`` in two halves, so that the next bucket can start while this one's copies
+        still run on the GPU: (the Reply data, the GPU work still pending or None). Await
+        ``finish(pending)`` before replying: the sender reuses the buffer (and lets go of
+        tensors read in place) once it has the reply."""
         async with self._lock:
-            try:
-                if isinstance(msg, WeightsBegin):
-                    return await self._begin(msg)
-                if isinstance(msg, WeightsBucket):
+            if isinstance(msg, WeightsBucket):
+                try:
                     return await self._bucket(msg, buffers or [])
-                if isinstance(msg, WeightsEnd) and msg.commit and self._update is not None and self._update.lora:
-                    up = self._current(msg.id)
+                except BaseException as exc:
+                    self._failed(msg.id)
+                    if isinstance(exc, ValueError):
+                        raise InvalidRequest(f"{msg.TYPE.value}: {exc}") from exc
+                    raise
+            return await self._handle(msg), None
+
+    async def finish(self, pending: Any) -> None:
+        """Wait for what ``start`` left running on the GPU. Raises EngineFailed if it failed.
+
+        A bucket's copies take a millisecond or so: the event is polled between the loop's
+        other work (the next bucket starts meanwhile), and only a longer wait goes to a
+        thread (a thread's wake-up, GIL included, would cost more than the copy)."""
+        if pending is None:
+            return
+        try:
+            deadline = time.monotonic() + FINISH_POLL_S
+            while not pending.query():
+                if time.monotonic() > deadline:
+                    await asyncio.to_thread(pending.synchronize)
+                    break
+                await asyncio.sleep(0)
+        except Exception as exc:
+            self.version = -1
+            if self._update is not None:
+                self._update.failed = True
+            raise EngineFailed(f"engine failed copying a bucket on the GPU: {type(exc).__name__}: {exc}") from exc
+
+    async def _handle(self, msg: WeightsBegin | WeightsEnd) -> dict[str, Any]:
+        try:
+            if isinstance(msg, WeightsBegin):
+                return await self._begin(msg)
+            up = self._update
+            if isinstance(msg, WeightsEnd) and msg.commit and up is not None and up.failed and up.uid == _update_id(msg.id):
+                if self._can_stage and up.descriptor:
+                    await self.engine.discard_weights()
+                self._drop(sender_gone=False)
+                raise EngineFailed(f"update to v{msg.version} not committed: a bucket of it failed")
+            if isinstance(msg, WeightsEnd) and msg.commit and self._update is not None and self._update.lora:
+                up = self._current(msg.id)
+                try:
+                    await self.engine.load_lora(up.lora["name"], up.lora_tensors, dict(up.lora.get("config") or {}))
+                    activate = getattr(self.engine, "set_active_lora", None)
+                    if callable(activate):
+                        activate(up.lora["name"])
+                except RolloutError:
+                    self._drop(sender_gone=False)
+                    raise
+                except Exception as exc:
+                    self._drop(sender_gone=False)
+                    raise EngineFailed(f"engine failed to load LoRA adapter: {type(exc).__name__}: {exc}") from exc
+                return self._end(msg)
+            if isinstance(msg, WeightsEnd):
+                staged = self._can_stage and self._update is not None and self._update.descriptor
+                if staged and not msg.commit:
+                    await self.engine.discard_weights()
+                if staged and msg.commit:
+                    self._current(msg.id)  # refuse an end that does not match the update
                     try:
-                        await self.engine.load_lora(up.lora["name"], up.lora_tensors, dict(up.lora.get("config") or {}))
-                        activate = getattr(self.engine, "set_active_lora", None)
-                        if callable(activate):
-                            activate(up.lora["name"])
-                    except RolloutError:
-                        self._drop(sender_gone=False)
-                        raise
+                        await self.engine.commit_weights()
                     except Exception as exc:
                         self._drop(sender_gone=False)
-                        raise EngineFailed(f"engine failed to load LoRA adapter: {type(exc).__name__}: {exc}") from exc
-                    return self._end(msg)
-                if isinstance(msg, WeightsEnd):
-                    staged = self._can_stage and self._update is not None and self._update.descriptor
-                    if staged and not msg.commit:
-                        await self.engine.discard_weights()
-                    if staged and msg.commit:
-                        self._current(msg.id)  # refuse an end that does not match the update
-                        try:
-                            await self.engine.commit_weights()
-                        except Exception as exc:
-                            self._drop(sender_gone=False)
-                            raise EngineFailed(f"engine failed to apply the update: {type(exc).__name__}: {exc}") from exc
-                    return self._end(msg)
-            except RolloutError:
-                raise
-            except ValueError as exc:
-                raise InvalidRequest(f"{msg.TYPE.value}: {exc}") from exc
-            raise InvalidRequest(f"not a weights message: {type(msg).__name__}")
+                        raise EngineFailed(f"engine failed to apply the update: {type(exc).__name__}: {exc}") from exc
+                return self._end(msg)
+        except RolloutError:
+            raise
+        except ValueError as exc:
+            raise InvalidRequest(f"{msg.TYPE.value}: {exc}") from exc
+        raise InvalidRequest(f"not a weights message: {type(msg).__name__}")
 
     def close(self) -> None:
         """Release everything held; unlinks kept shm names only if their sender is gone."""
@@ -135,6 +193,9 @@ class WeightReceiver:
             self._drop(sender_gone=not self._sender_alive(self._update))
         self._mapped.clear()
         self._assembler.release()
+        if self._segments is not None:
+            self._segments.close()
+            self._segments = None
 
     def unlink_orphans(self) -> None:
         """Unlink the shm names kept for an update whose sender is gone. Plain system calls
@@ -238,7 +299,7 @@ class WeightReceiver:
         up.buffers = self._reuse(descs, lambda d: torch.empty(d["size"], dtype=torch.uint8, device=device))
         up.group = await asyncio.to_thread(make_group, dict(msg.options))
 
-    async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> dict[str, Any]:
+    async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
         buffers = buffers or []
         up = self._current(msg.id)
         if not 0 <= msg.buffer < len(up.sizes):
@@ -246,6 +307,11 @@ class WeightReceiver:
         entries = msg.tensors
         if not all(type(e) is dict and type(e.get("offset")) is int and type(e.get("nbytes")) is int for e in entries):
             raise ValueError("every tensor entry needs int 'offset' and 'nbytes'")
+        in_place = [e for e in entries if "segment" in e]
+        if in_place:
+            if up.transport != "cuda_ipc":
+                raise ValueError("tensors read in place ('segment') need the cuda_ipc transport")
+            entries = [e for e in entries if "segment" not in e]
         nbytes = bucket_nbytes(entries)
         if not 0 <= nbytes <= up.sizes[msg.buffer]:
             raise ValueError(f"tensor entries need {nbytes} bytes, buffer has {up.sizes[msg.buffer]}")
@@ -262,7 +328,9 @@ class WeightReceiver:
 
             work = broadcast(up.group, up.buffers[msg.buffer][:nbytes])
             await asyncio.to_thread(work.wait)
-        num = len(entries)
+        views = self._in_place(up, in_place) if in_place else []
+        num = len(entries) + len(views)
+        pending = None
         try:
             if up.descriptor:
                 desc = {"shm_name": up.names[msg.buffer], "size": up.sizes[msg.buffer], "tensors": entries}
@@ -276,16 +344,19 @@ class WeightReceiver:
                     await result
             else:
                 buf = up.buffers[msg.buffer]
-                pairs = up.assembler.add(buf, entries)
+                pairs = up.assembler.add(buf, entries) if entries else []
+                pairs += views
                 num = len(pairs)
                 if up.lora is not None:
                     # Views of a buffer the sender reuses: keep copies until the adapter is loaded.
                     up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
                 elif pairs:
                     await self.engine.load_weights(pairs)
-                if buf.is_cuda:
-                    # The sender reuses this buffer once we reply: our reads must be done.
-                    torch.cuda.synchronize(buf.device)
+                if buf.is_cuda or views:
+                    # The copies out of this bucket run on: what the reply waits for.
+                    pending = torch.cuda.Event()
+                    pending.record(torch.cuda.current_stream(buf.device if buf.is_cuda else views[0][1].device))
+                    up.on_gpu = True
         except BaseException as exc:
             if not up.descriptor and up.lora is None:
                 # The engine may have applied part of this bucket (or earlier ones) already.
@@ -293,12 +364,42 @@ class WeightReceiver:
             if isinstance(exc, (RolloutError, ValueError)) or not isinstance(exc, Exception):
                 raise
             raise EngineFailed(f"engine failed to load bucket {msg.index}: {type(exc).__name__}: {exc}") from exc
-        up.nbytes += sum(e["nbytes"] for e in entries)
+        up.nbytes += sum(e["nbytes"] for e in entries) + sum(e["nbytes"] for e in in_place)
         up.num_buckets += 1
-        return {"index": msg.index, "num_tensors": num}
+        return {"index": msg.index, "num_tensors": num}, pending
+
+    def _in_place(self, up: _Update, entries: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+        """Views of the sender's own tensors for entries with 'segment' (cuda_ipc in place):
+        the first entry naming a segment in an update carries its 'handle'."""
+        from .cuda_ipc import Segments
+
+        if self._segments is None:
+            index = self.device.index if self.device.type == "cuda" else None
+            self._segments = Segments(index if index is not None else torch.cuda.current_device())
+        out = []
+        for entry in entries:
+            name, dtype, shape, offset, nbytes = check_whole(entry)
+            k = entry["segment"]
+            if type(k) is not int or not 0 <= k <= len(up.segments):
+                raise ValueError(f"{name}: segment {k!r} was never named in this update")
+            handle = entry.get("handle")
+            if k == len(up.segments):
+                if handle is None:
+                    raise ValueError(f"{name}: segment {k} needs its 'handle' the first time")
+                up.segments.append(self._segments.open(handle))
+            elif handle is not None and not self._segments.holds(handle, up.segments[k]):
+                raise ValueError(f"{name}: segment {k} was named with another handle")
+            flat = up.segments[k]
+            if offset + nbytes > flat.numel():
+                raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside segment {k} "
+                                 f"({flat.numel()} bytes)")
+            out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+        return out
 
     def _end(self, msg: WeightsEnd) -> dict[str, Any]:
         up = self._update
+        if up is not None and up.on_gpu:
+            torch.cuda.synchronize(self.device if self.device.type == "cuda" else None)  # every bucket's copies
         if not msg.commit:
             if up is not None and up.uid == _update_id(msg.id):
                 # Buckets already handed to the engine (not staged, not a LoRA being collected)
@@ -322,6 +423,11 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ state
 
+    def _failed(self, msg_id: str) -> None:
+        up = self._update
+        if up is not None and up.uid == _update_id(msg_id):
+            up.failed = True
+
     def _current(self, msg_id: str) -> _Update:
         up = self._update
         if up is None:
@@ -339,6 +445,9 @@ class WeightReceiver:
         if up.watchdog is not None and up.watchdog is not asyncio.current_task():
             up.watchdog.cancel()
         up.buffers = []
+        up.segments = []
+        if self._segments is not None:
+            self._segments.end_update()  # the mappings this update did not name are closed
         up.assembler.clear()  # partial tensors; completed assembly space is kept for reuse
         if up.group is not None:
             from .collective import close_group

@@ -7,6 +7,10 @@ One update, seen from the sender::
                          WeightsBucket(k) -> every worker; replies awaited before buffer reuse
     WeightsEnd(commit=True) -> every worker; each answers with the version it now holds
 
+With cuda_ipc alone, the begin, the buckets and the end go out without waiting for each
+other's replies, and CUDA tensors of the trainer are read in place (no buffer, one copy):
+see WeightSyncConfig.in_place.
+
 A transport "channel" (ShmChannel, CudaIpcChannel, CollectiveChannel) owns the buffers of
 the workers that use it; the first channel's buffer is filled from the tensors and the
 others get a copy of its bytes. Any failure aborts the update everywhere
@@ -17,6 +21,7 @@ WeightUpdateError naming the worker and the cause.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import secrets
@@ -69,6 +74,8 @@ class UpdateReport:
     num_tensors: int = 0
     num_buckets: int = 0
     bytes: int = 0
+    in_place_bytes: int = 0
+    """Bytes the engines read straight out of the trainer's tensors (cuda_ipc, in_place)."""
     seconds: float = 0.0
     gbps: float = 0.0
     """Bytes of tensor data per second of the whole update, in 1e9 bytes/s."""
@@ -83,6 +90,20 @@ class _LinkFailed(Exception):
         super().__init__(f"{worker_id}: {type(cause).__name__}: {cause}")
         self.worker_id = worker_id
         self.cause = cause
+
+
+def _together(tasks: list) -> asyncio.Future:
+    """One future for ``tasks``, made at once (so cancelling it always reaches them): their
+    results in order. The first failure cancels the others."""
+
+    def failed(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            for other in tasks:
+                other.cancel()
+
+    for task in tasks:
+        task.add_done_callback(failed)
+    return asyncio.gather(*tasks)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -105,6 +126,9 @@ def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: s
 
     return CollectiveChannel(links, config, update_id)
 
+
+IN_PLACE_DEPTH = 4
+"""Buckets read wholly in place (cuda_ipc) that may be in flight at once."""
 
 _filler: concurrent.futures.ThreadPoolExecutor | None = None
 _filler_lock = threading.Lock()
@@ -206,11 +230,15 @@ class WeightSender:
         # shm/cuda_ipc first: filling a mapped or device buffer directly is cheapest.
         order = sorted(groups, key=("shm", "cuda_ipc", "collective", "zmq").index)
         channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
-        packer = Packer(named_tensors, cfg.bucket_bytes)
+        in_place = None
+        if cfg.in_place and len(channels) == 1 and channels[0].kind == "cuda_ipc":
+            in_place = channels[0].in_place
+        packer = Packer(named_tensors, cfg.bucket_bytes, in_place)
         buckets = iter(packer)
         loop = asyncio.get_running_loop()
         threads = _fill_threads(cfg)
-        inflight: list[asyncio.Task | None] = []
+        inflight: collections.deque[tuple[asyncio.Future, list[torch.Tensor]]] = collections.deque()
+        pending: list[asyncio.Future] = []  # a pipelined update's begin and end
         begun = False
         try:
             first = next(buckets, None)
@@ -220,37 +248,75 @@ class WeightSender:
             for ch in channels:
                 ch.allocate(size, num_buffers, packer.capacity)
             begun = True
-            await self._begin(uid, version, channels, cfg)
-            inflight = [None] * num_buffers
+            # cuda_ipc alone (no buffer names to renegotiate): the begin, the buckets and the
+            # end go out without waiting for each other's replies (a worker takes them in
+            # order and refuses to commit an update with a failed bucket); a GPU copies a
+            # bucket faster than a message makes a round trip.
+            pipelined = all(ch.kind == "cuda_ipc" for ch in channels)
+            if pipelined:
+                pending.append(_together([t for ch in channels for t in self._begin_calls(uid, version, ch, cfg)]))
+            else:
+                await self._begin(uid, version, channels, cfg)
+            # Buckets in flight, oldest first, with the tensors each has the engines read in
+            # place: alive until the bucket is loaded (on failure, until the update is aborted
+            # everywhere). A bucket with bytes in a buffer also waits for that buffer's last
+            # bucket; one read wholly in place needs no buffer, so more of them may be in
+            # flight (the engines' copies then follow each other on the GPU without a gap).
+            depth = max(num_buffers, IN_PLACE_DEPTH) if in_place is not None else num_buffers
+            last_in: list[asyncio.Future | None] = [None] * num_buffers
+            next_slot = 0
             bucket = first
             while bucket is not None:
-                slot = bucket.index % num_buffers
-                if inflight[slot] is not None:
-                    await inflight[slot]
-                for task in inflight:  # fail fast if the other bucket already failed
-                    if task is not None and task.done():
+                pinned = bucket.sources_in_place
+                buffered = bucket.nbytes > 0 or not pinned
+                while len(inflight) >= depth:
+                    await inflight[0][0]
+                    inflight.popleft()
+                slot = next_slot if buffered else 0
+                if buffered:
+                    next_slot = (next_slot + 1) % num_buffers
+                    if last_in[slot] is not None:
+                        await last_in[slot]
+                for task in pending:  # fail fast if the begin or an earlier bucket failed
+                    if task.done():
                         task.result()
-                await loop.run_in_executor(_fill_executor(), self._fill, bucket, slot, channels, threads)
+                for task, _ in inflight:
+                    if task.done():
+                        task.result()
+                if pinned:
+                    # The engines read these now: this thread's (the trainer's) work on them
+                    # must be done.
+                    torch.cuda.current_stream(channels[0].device).synchronize()
+                if buffered:
+                    await loop.run_in_executor(_fill_executor(), self._fill, bucket, slot, channels, threads)
                 transfers = [ch.transfer(slot, bucket.nbytes) for ch in channels]
                 # (header, bucket bytes) for workers on the zmq transport
                 frames = {l.worker_id: [ch.frame(slot, bucket.nbytes)]
                           for ch in channels if ch.kind == "zmq" for l in ch.links}
-                inflight[slot] = asyncio.create_task(
-                    self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers, frames)
-                )
+                task = self._deliver(uid, bucket.index, slot, bucket.entries, links, transfers, frames)
+                inflight.append((task, pinned))
+                if buffered:
+                    last_in[slot] = task
                 report.num_buckets += 1
                 bucket = None  # drop the source tensors before pulling more
                 bucket = next(buckets, None)
-            for task in inflight:
-                if task is not None:
-                    await task
-            await self._end(uid, version, links, report, started)
+            if pipelined:
+                pending.append(self._end(uid, version, links, report, started))
+                # The begin first: its failure is the cause of any later one.
+                if any(a.get("need_names") for a in await pending[0]):
+                    raise RuntimeError("a cuda_ipc receiver asked for buffer names")
+            while inflight:
+                await inflight[0][0]
+                inflight.popleft()
+            if pipelined:
+                await pending[-1]
+            else:
+                await self._end(uid, version, links, report, started)
         except BaseException as exc:
-            for task in inflight:
-                if task is not None:
-                    # Its failure is reported through exc already (or is a consequence of it).
-                    task.add_done_callback(_retrieve)
-                    task.cancel()
+            for task in [t for t, _ in inflight] + pending:
+                # Its failure is reported through exc already (or is a consequence of it).
+                task.add_done_callback(_retrieve)
+                task.cancel()
             for ch in channels:
                 ch.close()
             if begun:
@@ -265,6 +331,7 @@ class WeightSender:
         report.ok = True
         report.num_tensors = packer.num_tensors
         report.bytes = packer.nbytes
+        report.in_place_bytes = packer.nbytes_in_place
         report.seconds = time.perf_counter() - started
         report.gbps = report.bytes / report.seconds / 1e9 if report.seconds > 0 else 0.0
         for w in report.workers.values():
@@ -291,6 +358,11 @@ class WeightSender:
             raise
 
     async def _begin_channel(self, uid: str, version: int, ch: Any, cfg: WeightSyncConfig) -> list[dict]:
+        return list(await _together(self._begin_calls(uid, version, ch, cfg)))
+
+    def _begin_calls(self, uid: str, version: int, ch: Any, cfg: WeightSyncConfig) -> list[asyncio.Task]:
+        """The begin message of ``ch`` to each of its workers, sent in the order asked
+        (every message is sent as its call's task first runs, and tasks run in order)."""
         calls = []
         for rank, link in enumerate(ch.links):
             buffers, options = ch.begin(link, rank)
@@ -301,12 +373,7 @@ class WeightSender:
                 bucket_bytes=cfg.bucket_bytes, buffers=buffers, options=options,
             )  # fmt: skip
             calls.append(asyncio.create_task(self._call(link, msg)))
-        try:
-            return list(await asyncio.gather(*calls))
-        except BaseException:
-            for t in calls:
-                t.cancel()
-            raise
+        return calls
 
     def _fill(self, bucket: Bucket, slot: int, channels: list, threads: int) -> None:
         if torch.get_num_threads() != threads:
@@ -318,27 +385,24 @@ class WeightSender:
         for ch in channels:
             ch.ready(slot)
 
-    async def _deliver(self, uid: str, index: int, slot: int, entries: list, links: list, transfers: list,
-                       frames: dict[str, list] | None = None) -> None:
+    def _deliver(self, uid: str, index: int, slot: int, entries: list, links: list, transfers: list,
+                 frames: dict[str, list] | None = None) -> asyncio.Future:
         msg = WeightsBucket(id=f"{uid}.{index}", index=index, buffer=slot, tensors=entries)
         frames = frames or {}
         tasks = [asyncio.create_task(self._call(link, msg, frames.get(link.worker_id))) for link in links]
         tasks += [asyncio.ensure_future(t) for t in transfers if t is not None]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        return _together(tasks)
 
-    async def _end(self, uid: str, version: int, links: list, report: UpdateReport, started: float) -> None:
-        async def one(link: Any) -> None:
-            data = await self._call(link, WeightsEnd(id=f"{uid}.end", version=version, commit=True))
+    def _end(self, uid: str, version: int, links: list, report: UpdateReport, started: float) -> asyncio.Future:
+        async def one(call: asyncio.Task, link: Any) -> None:
+            data = await call
             if data.get("version") != version:
                 raise _LinkFailed(link.worker_id, RuntimeError(f"committed version {data.get('version')!r}"))
             report.workers[link.worker_id].seconds = time.perf_counter() - started
 
-        await asyncio.gather(*(one(link) for link in links))
+        msg = WeightsEnd(id=f"{uid}.end", version=version, commit=True)
+        calls = [asyncio.create_task(self._call(link, msg)) for link in links]
+        return _together([asyncio.create_task(one(c, l)) for c, l in zip(calls, links)] + calls)
 
     async def _abort(self, uid: str, version: int, links: list) -> None:
         msg = WeightsEnd(id=f"{uid}.abort", version=version, commit=False)

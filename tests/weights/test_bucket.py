@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from rollfleet.weights.bucket import ALIGN, DTYPES, Assembler, Packer, dtype_from_name, fill, unpack
+from rollfleet.weights.bucket import (
+    ALIGN, DTYPES, Assembler, Packer, bucket_nbytes, check_whole, dtype_from_name, fill, unpack,
+)
 from weights_harness import digest, make_weights
 
 
@@ -114,3 +116,43 @@ def test_bad_inputs_are_refused_before_packing():
         Packer([], 32)
     with pytest.raises(ValueError):
         dtype_from_name("torch.float32")
+
+
+def test_in_place_tensors_take_no_buffer_room_but_count_towards_the_bucket():
+    """With an in_place function (cuda_ipc's reads CUDA tensors where they lie), tensors it
+    accepts get its 'segment' and 'offset' instead of a place in the buffer; fill skips them."""
+    big = torch.arange(600, dtype=torch.float32)  # 2400 bytes: larger than a bucket
+    weights = [("a", torch.ones(100)), ("b", torch.full((100,), 2.0)), ("c", torch.full((60,), 3.0)),
+               ("big", big), ("d", torch.full((30,), 4.0))]
+    chosen = {id(weights[1][1]): 0, id(weights[3][1]): 1}
+
+    def in_place(t):
+        k = chosen.get(id(t))
+        return None if k is None else {"segment": k, "offset": 64 * k}
+
+    packer = Packer(iter(weights), 1024, in_place)
+    buckets = list(packer)
+    entries = {e["name"]: (b.index, e) for b in buckets for e in b.entries}
+    assert entries["b"][1]["segment"] == 0 and entries["b"][1]["offset"] == 0
+    assert entries["big"][1]["segment"] == 1 and entries["big"][1]["offset"] == 64
+    assert "part_offset" not in entries["big"][1]  # never split: it takes no room
+    # a (400 B in the buffer, then aligned to 448) + b (400 B in place) leave 176 B: c (240 B) goes on.
+    assert entries["a"][0] == entries["b"][0] == 0 and entries["c"][0] == 1
+    assert entries["big"][0] == 2 and [e["name"] for e in buckets[2].entries] == ["big"]  # alone
+    assert buckets[0].nbytes == 400 and buckets[0].in_place == 400
+    assert [t is weights[1][1] for t in buckets[0].sources_in_place] == [True]
+    assert packer.nbytes_in_place == 400 + 2400 and packer.nbytes == 400 + 400 + 240 + 2400 + 120
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    fill(buckets[0], buf)
+    assert torch.equal(buf[:400].view(torch.float32), weights[0][1]) and buf[400:].eq(0).all()
+    assert bucket_nbytes(buckets[0].entries) == 400 and bucket_nbytes(buckets[2].entries) == 0
+
+
+@pytest.mark.parametrize("entry", [
+    {"name": "x", "dtype": "float32", "shape": [3], "offset": 0, "nbytes": 16},
+    {"name": "x", "dtype": "float32", "shape": [2], "offset": 2, "nbytes": 8},
+    {"name": "x", "dtype": "float32", "shape": [2], "offset": -8, "nbytes": 8},
+])
+def test_check_whole_refuses_bytes_that_do_not_match_the_tensor(entry):
+    with pytest.raises(ValueError):
+        check_whole(entry)

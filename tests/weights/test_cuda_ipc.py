@@ -23,6 +23,40 @@ def test_cuda_ipc_update_is_bit_exact(procs, tmp_path, cuda_source):
     assert result["report"]["workers"]["w0"]["transport"] == "cuda_ipc"
     assert result["received"]["w0"]["version"] == 4
     assert result["received"]["w0"]["digests"] == result["expected"]
+    # The CUDA tensors of a MiB or more are read in place; CPU ones go through the buffers.
+    in_place = result["report"]["in_place_bytes"]
+    assert (in_place == (4 + 2 + 1) << 20) if cuda_source else in_place == 0
+
+
+@needs_cuda
+def test_cuda_ipc_in_place_over_several_updates_with_fresh_memory(procs, tmp_path):
+    """Each update sends freshly allocated tensors (the last update's are freed and the
+    allocator's cache emptied while the worker may still map them): every update arrives
+    bit-exact, and the worker keeps no mapping of memory the last update did not name."""
+    addr = f"ipc://{tmp_path}/hub.sock"
+    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
+    sender = procs("sender", "--addr", addr, "--transport", "cuda_ipc", "--bucket", str(1 << 20), "--cuda-source",
+                   "--updates", "3", "--version", "7")
+    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
+    assert sender.wait(30) == 0
+    assert [r["version"] for r in result["reports"]] == [5, 6, 7]
+    assert all(r["in_place_bytes"] == 7 << 20 for r in result["reports"])
+    assert result["received"]["w0"]["version"] == 7
+    assert result["received"]["w0"]["digests"] == result["expected"]
+    assert 1 <= result["received"]["w0"]["mapped_segments"] <= 2  # the last update's two allocations
+
+
+@needs_cuda
+def test_cuda_ipc_without_in_place_sends_every_byte_through_the_buffers(procs, tmp_path):
+    addr = f"ipc://{tmp_path}/hub.sock"
+    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
+    sender = procs("sender", "--addr", addr, "--transport", "cuda_ipc", "--bucket", str(1 << 20), "--cuda-source",
+                   "--in-place", "off", "--version", "2")
+    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
+    assert sender.wait(30) == 0
+    assert result["report"]["in_place_bytes"] == 0
+    assert result["received"]["w0"]["digests"] == result["expected"]
+    assert result["received"]["w0"]["mapped_segments"] == 0
 
 
 @needs_cuda

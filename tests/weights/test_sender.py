@@ -171,3 +171,27 @@ def test_config_is_validated():
 def test_num_buffers_must_be_auto_or_2_to_16(bad):
     with pytest.raises(ValueError, match="num_buffers"):
         WeightSyncConfig(num_buffers=bad)
+
+
+async def test_in_place_entries_are_refused_outside_cuda_ipc_and_fail_only_their_update():
+    """'segment' (a tensor read in place from the sender's GPU memory) is cuda_ipc's alone: over
+    another transport it is a bad message, the update it belongs to cannot be committed (a
+    bucket of it is missing), and the receiver takes the next update."""
+    link, engine = local("a")
+    weights = make_weights()
+    report = await WeightSender(WeightSyncConfig(transport="shm", bucket_bytes=4096)).update(weights, 3, [link])
+    assert report.ok and report.in_place_bytes == 0
+    rx = link.receiver
+    bad = {"name": "x", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16, "segment": 0,
+           "handle": b"\0" * 64}
+    from rollfleet.transport.messages import WeightsBegin
+
+    await rx.handle(WeightsBegin(id="w9.begin", version=4, transport="zmq", bucket_bytes=64, buffers=[{"size": 64}]))
+    with pytest.raises(InvalidRequest, match="cuda_ipc"):
+        await rx.handle(WeightsBucket(id="w9.0", index=0, buffer=0, tensors=[bad]))
+    with pytest.raises(EngineFailed, match="not committed"):
+        await rx.handle(WeightsEnd(id="w9.end", version=4))
+    assert rx.version == 3 and rx._update is None
+    assert engine.digests() == {n: digest(t) for n, t in weights}
+    again = await WeightSender(WeightSyncConfig(transport="shm", bucket_bytes=4096)).update(weights, 5, [link])
+    assert again.ok and rx.version == 5

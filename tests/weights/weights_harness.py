@@ -207,8 +207,10 @@ async def worker_main(addr: str, worker_id: str, engine_kind: str, delay_s: floa
             if isinstance(msg, (WeightsBegin, WeightsBucket, WeightsEnd)):
                 answer = Reply(id=msg.id, data=await receiver.handle(msg))
             elif isinstance(msg, Stats):
+                segments = receiver._segments  # cuda_ipc in place: the sender's memory mapped here
                 answer = Reply(id=msg.id, data={"version": receiver.version, "digests": engine.digests(),
-                                                "descriptors": len(getattr(engine, "descriptors", []))})
+                                                "descriptors": len(getattr(engine, "descriptors", [])),
+                                                "mapped_segments": len(segments) if segments is not None else 0})
             elif isinstance(msg, Shutdown):
                 answer = Reply(id=msg.id)
                 stop.set()
@@ -244,6 +246,18 @@ def _slow(weights, delay_s: float):
         yield item
 
 
+def cuda_views(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """CUDA tensors of a MiB or more (read in place by cuda_ipc): views of one allocation at
+    several offsets, and one of its own."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    whole = torch.randn(3 << 20, generator=g, device="cuda")  # 12 MiB
+    return [
+        ("cuda.head", whole[: 1 << 20].view(1024, 1024)),
+        ("cuda.tail_bf16", whole[(3 << 20) - (1 << 19):].view(torch.bfloat16)),
+        ("cuda.alone", torch.randn(512, 1024, generator=g, device="cuda", dtype=torch.float16)),
+    ]
+
+
 async def sender_main(args: argparse.Namespace) -> dict:
     from rollfleet.weights import WeightSender, WeightSyncConfig
 
@@ -255,12 +269,23 @@ async def sender_main(args: argparse.Namespace) -> dict:
     hub = Hub(args.addr)
     print("ADDR", hub.addr, flush=True)
     links = [await hub.link(w) for w in args.workers.split(",")]
-    cfg = WeightSyncConfig(bucket_bytes=args.bucket, transport=args.transport, timeout_s=30)
-    weights = make_weights(big_bytes=args.big)
-    if args.cuda_source:
-        weights = [(n, t.cuda()) for n, t in weights]  # tensors living on the trainer's GPU
-    report = await WeightSender(cfg).update(_slow(weights, args.slow), args.version, links)
-    out["report"] = report.to_dict()
+    cfg = WeightSyncConfig(bucket_bytes=args.bucket, transport=args.transport, timeout_s=30,
+                           in_place=args.in_place == "on")
+    sender = WeightSender(cfg)
+    out["reports"] = []
+    weights: list = []
+    for u in range(args.updates):
+        previous, weights = weights, make_weights(big_bytes=args.big, seed=u)
+        if args.cuda_source:
+            # Tensors living on the trainer's GPU, allocated while the last update's still
+            # live (so in other memory); those are then freed and the allocator's cache
+            # emptied, while the worker may still map them.
+            weights = [(n, t.cuda()) for n, t in weights] + cuda_views(u)
+            del previous
+            torch.cuda.empty_cache()
+        report = await sender.update(_slow(weights, args.slow), args.version - args.updates + 1 + u, links)
+        out["reports"].append(report.to_dict())
+    out["report"] = out["reports"][-1]
     out["expected"] = {n: digest(t) for n, t in weights}
     out["received"] = {}
     for link in links:
@@ -297,6 +322,8 @@ def main() -> None:
     p.add_argument("--version", type=int, default=1)
     p.add_argument("--default-group", default="")
     p.add_argument("--cuda-source", action="store_true")
+    p.add_argument("--in-place", choices=["on", "off"], default="on")
+    p.add_argument("--updates", type=int, default=1)
     args = p.parse_args()
     if args.role == "worker":
         asyncio.run(worker_main(args.addr, args.id, args.engine, args.delay, args.host, args.device))
