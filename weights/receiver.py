@@ -8,7 +8,9 @@ engine's loader raised).
 Per bucket the receiver turns the entries into complete (name, tensor) pairs (whole tensors
 are views of the shared buffer; split tensors are assembled once all their parts arrived)
 and awaits ``engine.load_weights(pairs)``. Every tensor handed over is valid only during
-that call: the engine copies what it keeps. This is what lets the receiver keep its
+that call: the engine copies what it keeps, and with CUDA tensors it has either read them
+when it returns or queued its reads on the current CUDA stream (the bucket's reply waits for
+that stream to get past them). This is what lets the receiver keep its
 mappings of the sender's buffers (shm segments, CUDA IPC handles) and the assembly buffers
 of split tensors from one update to the next instead of paying for fresh memory each time;
 ``close`` frees them.
