@@ -11,15 +11,21 @@ pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def update_one_gpu_worker(procs, tmp_path, *sender_args):
+    """A worker on cuda:0 and a sender process with ``sender_args``: the sender's RESULT."""
+    addr = f"ipc://{tmp_path}/hub.sock"
+    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
+    sender = procs("sender", "--addr", addr, *sender_args)
+    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
+    assert sender.wait(30) == 0
+    return result
+
+
 @needs_cuda
 @pytest.mark.parametrize("cuda_source", [False, True])
 def test_cuda_ipc_update_is_bit_exact(procs, tmp_path, cuda_source):
-    addr = f"ipc://{tmp_path}/hub.sock"
-    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
     args = ["--transport", "auto", "--bucket", "65536", "--big", "300000", "--version", "4"]
-    sender = procs("sender", "--addr", addr, *args, *(["--cuda-source"] if cuda_source else []))
-    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
-    assert sender.wait(30) == 0
+    result = update_one_gpu_worker(procs, tmp_path, *args, *(["--cuda-source"] if cuda_source else []))
     assert result["report"]["workers"]["w0"]["transport"] == "cuda_ipc"
     assert result["received"]["w0"]["version"] == 4
     assert result["received"]["w0"]["digests"] == result["expected"]
@@ -33,12 +39,8 @@ def test_cuda_ipc_in_place_over_several_updates_with_fresh_memory(procs, tmp_pat
     """Each update sends freshly allocated tensors (the last update's are freed and the
     allocator's cache emptied while the worker may still map them): every update arrives
     bit-exact, and the worker keeps no mapping of memory the last update did not name."""
-    addr = f"ipc://{tmp_path}/hub.sock"
-    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
-    sender = procs("sender", "--addr", addr, "--transport", "cuda_ipc", "--bucket", str(1 << 20), "--cuda-source",
-                   "--updates", "3", "--version", "7")
-    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
-    assert sender.wait(30) == 0
+    result = update_one_gpu_worker(procs, tmp_path, "--transport", "cuda_ipc", "--bucket", str(1 << 20),
+                                   "--cuda-source", "--updates", "3", "--version", "7")
     assert [r["version"] for r in result["reports"]] == [5, 6, 7]
     assert all(r["in_place_bytes"] == 7 << 20 for r in result["reports"])
     assert result["received"]["w0"]["version"] == 7
@@ -48,12 +50,8 @@ def test_cuda_ipc_in_place_over_several_updates_with_fresh_memory(procs, tmp_pat
 
 @needs_cuda
 def test_cuda_ipc_without_in_place_sends_every_byte_through_the_buffers(procs, tmp_path):
-    addr = f"ipc://{tmp_path}/hub.sock"
-    procs("worker", "--addr", addr, "--id", "w0", "--device", "cuda:0")
-    sender = procs("sender", "--addr", addr, "--transport", "cuda_ipc", "--bucket", str(1 << 20), "--cuda-source",
-                   "--in-place", "off", "--version", "2")
-    result = json.loads(wait_line(sender, "RESULT ", timeout=120))
-    assert sender.wait(30) == 0
+    result = update_one_gpu_worker(procs, tmp_path, "--transport", "cuda_ipc", "--bucket", str(1 << 20),
+                                   "--cuda-source", "--in-place", "off", "--version", "2")
     assert result["report"]["in_place_bytes"] == 0
     assert result["received"]["w0"]["digests"] == result["expected"]
     assert result["received"]["w0"]["mapped_segments"] == 0
