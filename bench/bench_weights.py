@@ -8,7 +8,12 @@ from the call to ``update`` until every worker has committed the version.
   ``await sup.update_weights(tensors, version, bucket_bytes=...)`` with tensors matching the
   engine's state dict. The supervisor's keep-last copy (``keep_last_weights``) is off for
   these rows: it is a separate cost (a fresh CPU copy of the whole model), measured once in
-  its own row ``shm_keep_last``.
+  its own row ``shm_keep_last``. Three shm rows: ``shm``, the default, where the engine
+  reads the trainer's tensors of 1 MiB or more in place (process_vm_readv, one copy) once
+  they are on huge pages (WeightSyncConfig.huge_pages: the sender moves them there after
+  the second update that sends them); ``shm_as_allocated``, in place from a copy of the
+  same tensors as torch allocated them (huge_pages off); ``shm_buffered`` (in_place off:
+  trainer -> segment -> engine, two copies).
 - ``cuda_ipc`` (with a GPU): the same sender and receiver without the engine: a worker process
   whose engine copies every tensor into preallocated CUDA tensors (``ParamEngine``), with
   ``--cuda-total-gb`` of weights (GPUs copy too fast for less to say much). Two rows: the
@@ -18,8 +23,10 @@ from the call to ``update`` until every worker has committed the version.
   ``memcpy``: one copy of the same bytes into preallocated CPU tensors (best of 1 thread and
   torch's default thread count); ``d2d``: one device-to-device copy into preallocated tensors.
 
-Each update is run once to warm up (the first one allocates the transfer buffers, which are
-then kept), then timed ``--reps`` times; the best is reported.
+Each update is run twice to warm up (the first one allocates the transfer buffers, which are
+then kept; the second starts moving the trainer's tensors onto huge pages, which a trainer's
+step between two updates leaves time for: the bench waits for it), then timed ``--reps``
+times; the best is reported.
 
     python bench/bench_weights.py --quick --json out.json
     python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --json w.json
@@ -47,7 +54,7 @@ from rollfleet.transport.aio import LoopSocket  # noqa: E402
 from rollfleet.transport.codec import decode, encode, unbatch  # noqa: E402
 from rollfleet.transport.messages import Batch, Error, Register, Shutdown  # noqa: E402
 from rollfleet.transport.sockets import make_socket  # noqa: E402
-from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, release_buffers  # noqa: E402
+from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, release_buffers, remote  # noqa: E402
 
 MB = 1 << 20
 
@@ -237,24 +244,33 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     config = FleetConfig(engine="torch", num_workers=1, keep_last_weights=False, frontend_addr=None,
                          engine_options={"model": folder, "dtype": "bfloat16"}, call_timeout_s=300)
-    curves: dict[str, dict[int, float]] = {"shm": {}, "gloo": {}}
+    curves: dict[str, dict[int, float]] = {"shm": {}, "shm_as_allocated": {}, "shm_buffered": {}, "gloo": {}}
+    fresh = [(name, t.clone()) for name, t in weights]  # never sent before the shm_as_allocated row
     version = 0
     async with Supervisor(config) as sup:
-        async def timed(transport: str, bucket: int) -> float:
+        async def timed(transport: str, bucket: int, tensors=weights) -> float:
             nonlocal version
             version += 1
             t0 = time.perf_counter()
-            await sup.update_weights(iter(weights), version, transport=transport, bucket_bytes=bucket)
+            await sup.update_weights(iter(tensors), version, transport=transport, bucket_bytes=bucket)
             return nbytes / (time.perf_counter() - t0) / 1e9
 
-        for transport, sizes in (("shm", buckets), ("collective", gloo_buckets)):
+        rows = [("shm", "shm", buckets, {}), ("shm_as_allocated", "shm", buckets[-1:], {"huge_pages": False}),
+                ("shm_buffered", "shm", buckets, {"in_place": False}), ("gloo", "collective", gloo_buckets, {})]
+        for row, transport, sizes, options in rows:
+            sup.config.weights.update(options)
+            tensors = fresh if row == "shm_as_allocated" else weights
             for bucket in sizes:
-                await timed(transport, bucket)  # warm-up: buffers allocated and mapped
+                for _ in range(2):  # warm-up: buffers allocated and mapped, tensors onto huge pages
+                    await timed(transport, bucket, tensors)
+                await asyncio.to_thread(remote.settle_huge_pages)
                 best = 0.0
                 for _ in range(reps):
                     baseline.append(memcpy_gbps(weights, 1))
-                    best = max(best, await timed(transport, bucket))
-                curves["gloo" if transport == "collective" else "shm"][bucket] = best
+                    best = max(best, await timed(transport, bucket, tensors))
+                curves[row][bucket] = best
+            for key in options:
+                sup.config.weights.pop(key)
         # The supervisor's own copy of each update, kept for restarted workers (on by default).
         best_bucket = max(curves["shm"], key=curves["shm"].get)
         sup.weights.keep_last_weights = True
@@ -316,6 +332,9 @@ def main() -> None:
         result[f"{name}_gbps"] = max(curve.values())
     if "shm_gbps" in result:
         result["shm_vs_memcpy"] = result["shm_gbps"] / result["memcpy_gbps"]
+        for row in ("shm_as_allocated", "shm_buffered"):
+            if f"{row}_gbps" in result:
+                result[f"{row}_vs_memcpy"] = result[f"{row}_gbps"] / result["memcpy_gbps"]
     if "cuda_ipc_gbps" in result:
         result["cuda_ipc_vs_d2d"] = result["cuda_ipc_gbps"] / result["d2d_gbps"]
         result["cuda_ipc_buffered_vs_d2d"] = result["cuda_ipc_buffered_gbps"] / result["d2d_gbps"]

@@ -51,6 +51,10 @@ class Engine(abc.ABC):
     """Base class. Subclasses override what they support and list it in capabilities()."""
 
     name: str = "base"
+    accepts_remote_tensors: bool = False
+    """True when ``load_weights`` takes ``weights.remote.RemoteTensor`` values (a tensor of
+    the sender's process, read with ``copy_into(dst)`` or ``read()``): the shm transport then
+    lets the engine read the trainer's tensors straight into its parameters."""
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = dict(options or {})

@@ -112,6 +112,11 @@ class TorchEngine(Engine):
     def capabilities(self) -> set[str]:
         return {"pause", "sleep", "load_weights", "clear_kv_cache", "profile", "logprobs"}
 
+    @property
+    def accepts_remote_tensors(self) -> bool:  # type: ignore[override]
+        # On CPU the parameters are read into straight from the trainer's memory.
+        return self.device.type == "cpu"
+
     # ------------------------------------------------------------------ requests
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
+from ..weights.remote import RemoteTensor, read_into
 from .base import EngineOutput
 from .torch_batch import Batch, sample
 
@@ -304,6 +305,7 @@ class Runner:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         params = self.model.state_dict(keep_vars=True)
         unknown, bad = [], []
+        remote = []  # (RemoteTensor, parameter): read together, across the machine's cores
         for name, tensor in weights:
             target = params.get(name)
             if target is None:
@@ -311,8 +313,15 @@ class Runner:
             elif tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
                 got, want = (tuple(tensor.shape), tensor.dtype), (tuple(target.shape), target.dtype)
                 bad.append(f"{name}: got {got[0]} {got[1]}, want {want[0]} {want[1]}")
+            elif isinstance(tensor, RemoteTensor):
+                if target.device.type == "cpu" and target.data.is_contiguous():
+                    remote.append((tensor, target.data))
+                else:
+                    target.data.copy_(tensor.read())
             else:
                 target.data.copy_(tensor)
+        if remote:
+            read_into(remote)
         self.num_weight_loads += 1
         if unknown or bad:
             problems = ([f"unknown names: {', '.join(unknown)}"] if unknown else []) + bad

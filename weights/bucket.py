@@ -13,11 +13,14 @@ current bucket and continues in the next ones.
 ``Packer`` pulls from the (name, tensor) iterable lazily, at most one tensor beyond the
 bucket it is building, so a generator that gathers one parameter at a time stays bounded.
 
-In place: with an ``in_place`` function (the cuda_ipc channel's), a tensor the receivers
-can read where it lies takes no room in the buffer; its entry says where it lies instead
-(``segment``, ``offset``: see cuda_ipc.export) and its source must stay alive until the
-bucket is loaded. Such tensors still count towards the bucket's size, which bounds how
-much of the trainer's memory one bucket pins; one larger than a bucket goes alone.
+In place: with an ``in_place`` function (the cuda_ipc or shm channel's), a tensor the
+receivers can read where it lies takes no room in the buffer; its entry says where it lies
+instead (cuda_ipc: ``segment``, ``offset``, see cuda_ipc.export; shm: ``address``, see
+remote.py) and its source must stay alive until the bucket is loaded. Such tensors still
+count towards the bucket's size (as the room they would take in the buffer), which bounds
+how much of the trainer's memory one bucket pins, and lets a bucket move them into its
+buffer after all (``Bucket.unplace``) when the receivers cannot read them in place; one
+larger than a bucket goes alone.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "Assembler",
     "bucket_nbytes",
     "check_whole",
+    "is_in_place",
 ]
 
 ALIGN = 64
@@ -80,6 +84,12 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def is_in_place(entry: dict[str, Any]) -> bool:
+    """Whether a bucket entry is read where it lies (cuda_ipc ``segment``, shm ``address``)
+    rather than from the bucket's buffer."""
+    return "segment" in entry or "address" in entry
+
+
 @dataclass(slots=True)
 class Part:
     """One entry of a bucket and where its bytes come from."""
@@ -99,6 +109,8 @@ class Bucket:
     """Bytes used in the buffer: end of the last part."""
     in_place: int = 0
     """Bytes of the tensors read in place (no room in the buffer)."""
+    in_place_room: int = 0
+    """Room those tensors would take in the buffer (each aligned)."""
     num_taken: int = 0
     """Items pulled from the input so far, when this bucket was closed."""
     last: bool = False
@@ -110,7 +122,20 @@ class Bucket:
 
     @property
     def sources_in_place(self) -> list[torch.Tensor]:
-        return [p.source for p in self.parts if "segment" in p.entry]
+        return [p.source for p in self.parts if is_in_place(p.entry)]
+
+    def unplace(self) -> None:
+        """Move the tensors read in place into the buffer, after the others: they fit, as
+        they counted towards the bucket's size. (Before the bucket is filled or sent.)"""
+        end = self.nbytes
+        for part in self.parts:
+            e = part.entry
+            if is_in_place(e):
+                for key in ("segment", "address", "handle"):
+                    e.pop(key, None)
+                e["offset"] = _align(end)
+                end = e["offset"] + e["nbytes"]
+        self.nbytes, self.in_place, self.in_place_room = end, 0, 0
 
 
 @dataclass(slots=True)
@@ -139,6 +164,20 @@ class Packer:
         self.nbytes_in_place = 0
         self._in_place = in_place
         self._source = iter(named_tensors)
+        self._pending: _Pending | None = None
+
+    def stop_in_place(self, *yielded: Bucket | None) -> None:
+        """From now on every tensor goes through the buffers: the one already taken, and those
+        of the ``yielded`` buckets (not sent yet) too."""
+        self._in_place = None
+        for bucket in yielded:
+            if bucket is not None:
+                self.nbytes_in_place -= bucket.in_place
+                bucket.unplace()
+        p = self._pending
+        if p is not None and p.where is not None:
+            p.where = None
+            self.nbytes_in_place -= p.nbytes
 
     def _take(self) -> _Pending | None:
         item = next(self._source, _END)
@@ -162,25 +201,27 @@ class Packer:
 
     def __iter__(self) -> Iterator[Bucket]:
         bucket = Bucket(0)
-        pending = self._take()
-        while pending is not None:
-            p = pending
+        self._pending = self._take()
+        while self._pending is not None:
+            p = self._pending
             if p.where is not None:
-                if bucket.parts and _align(bucket.nbytes) + bucket.in_place + p.nbytes > self.capacity:
+                if bucket.parts and _align(bucket.nbytes) + bucket.in_place_room + _align(p.nbytes) > self.capacity:
                     yield self._close(bucket, last=False)
                     bucket = Bucket(bucket.index + 1)
+                    continue  # (stop_in_place may have been called meanwhile)
                 entry = _entry(p, 0, p.nbytes)
                 entry.update(p.where)
                 bucket.parts.append(Part(entry, p.tensor))
                 bucket.in_place += p.nbytes
-                pending = self._take()
+                bucket.in_place_room += _align(p.nbytes)
+                self._pending = self._take()
                 continue
             start = _align(bucket.nbytes)
-            room = max(0, self.capacity - start - bucket.in_place)
+            room = max(0, self.capacity - start - bucket.in_place_room)
             if p.done == 0 and p.nbytes <= room:
                 bucket.parts.append(Part(_entry(p, start, p.nbytes), p.tensor))
                 bucket.nbytes = start + p.nbytes
-                pending = self._take()
+                self._pending = self._take()
                 continue
             if p.done == 0 and p.nbytes <= self.capacity:
                 # Fits in a fresh bucket: do not split it needlessly.
@@ -202,7 +243,7 @@ class Packer:
             bucket.nbytes = start + chunk
             p.done += chunk
             if p.done == p.nbytes:
-                pending = self._take()
+                self._pending = self._take()
             else:
                 yield self._close(bucket, last=False)
                 bucket = Bucket(bucket.index + 1)
@@ -232,7 +273,7 @@ def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
         for part in bucket.parts:
             e = part.entry
             n = e["nbytes"]
-            if n == 0 or "segment" in e:
+            if n == 0 or is_in_place(e):
                 continue
             dst = buffer[e["offset"] : e["offset"] + n]
             if "part_offset" in e:
@@ -247,8 +288,8 @@ def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
 
 def bucket_nbytes(entries: list[dict[str, Any]]) -> int:
     """Bytes of a buffer that a bucket's entries use (what a collective must move); entries
-    read in place (with ``segment``) use none."""
-    return max((e["offset"] + e["nbytes"] for e in entries if "segment" not in e), default=0)
+    read in place (``is_in_place``) use none."""
+    return max((e["offset"] + e["nbytes"] for e in entries if not is_in_place(e)), default=0)
 
 
 def _check(entry: Any, buffer_size: int | None) -> tuple[str, torch.dtype, list[int], int, int]:

@@ -41,11 +41,20 @@ class WeightSyncConfig:
     """CPU threads that copy tensors into a bucket's buffer; 0: half of torch's threads (at
     least 1), leaving the rest to the engines, which copy the previous bucket meanwhile."""
     in_place: bool = True
-    """cuda_ipc: engines copy contiguous CUDA tensors (1 MiB or more, on the sender's device)
-    straight out of the trainer's memory, one copy instead of two (into a buffer, out of
-    it); such tensors are pinned only until their bucket is loaded, and up to four buckets
+    """Engines copy the trainer's big tensors straight out of its memory, one copy instead of
+    two (into a buffer, out of it). cuda_ipc: contiguous CUDA tensors of 1 MiB or more on the
+    sender's device (through their allocation's IPC handle). shm: contiguous CPU tensors of
+    1 MiB or more, read by the workers with process_vm_readv when every worker of the update
+    can (Linux; the engine must take them: the torch engine on CPU does; under Yama's
+    ptrace_scope 1 the sender lets its own descendants read it, see weights/remote.py).
+    Such tensors are kept alive only until their bucket is loaded, and up to four buckets
     read wholly in place may be in flight. False: every byte goes through the buffers.
-    Updates that also have shm or collective workers use the buffers."""
+    Updates that mix transports, and LoRA updates over shm, use the buffers."""
+    huge_pages: bool = True
+    """shm in place: trainer tensors read in place by two updates in a row are moved onto
+    2 MiB pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE, in a thread after the update; the
+    next update waits for it), which makes the workers' reads about twice as fast. Only
+    the page size of that memory changes, never its contents or addresses."""
     device: str = ""
     """CUDA device of the sender's buffers for cuda_ipc and nccl; '' means the current device."""
 
@@ -66,6 +75,8 @@ class WeightSyncConfig:
             raise ValueError(f"num_buffers must be 0 (auto) or an int from 2 to 16, got {self.num_buffers!r}")
         if type(self.in_place) is not bool:
             raise ValueError(f"in_place must be a bool, got {self.in_place!r}")
+        if type(self.huge_pages) is not bool:
+            raise ValueError(f"huge_pages must be a bool, got {self.huge_pages!r}")
         if type(self.keep_buffers) is not bool:
             raise ValueError(f"keep_buffers must be a bool, got {self.keep_buffers!r}")
         if self.device and not self.device.startswith("cuda"):

@@ -15,6 +15,11 @@ mappings of the sender's buffers (shm segments, CUDA IPC handles) and the assemb
 of split tensors from one update to the next instead of paying for fresh memory each time;
 ``close`` frees them.
 
+shm in place: when the begin offers it (``options.in_place``), the engine takes
+RemoteTensors (``Engine.accepts_remote_tensors``) and the probe reads back right, the
+begin's reply says ``in_place: true`` and entries with ``address`` reach the engine as
+``remote.RemoteTensor`` values, read out of the sender's memory during load_weights.
+
 Descriptor path: an engine that must read the buffer in another process (vLLM reads in
 its own worker process) defines ``load_weights_from_descriptor(descriptor)``; with the shm
 transport it is called once per bucket with ``{'shm_name', 'size', 'tensors'}``, where
@@ -37,8 +42,8 @@ import torch
 
 from ..errors import EngineFailed, InvalidRequest, RolloutError, Unsupported
 from ..transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
-from . import shm
-from .bucket import Assembler, bucket_nbytes, check_whole
+from . import remote, shm
+from .bucket import Assembler, bucket_nbytes, check_whole, is_in_place
 from .config import TRANSPORTS
 
 __all__ = ["WeightReceiver"]
@@ -79,6 +84,8 @@ class _Update:
     waiting for the buckets' replies)."""
     on_gpu: bool = False
     """Buckets were copied on the GPU (their copies may still run when a bucket's reply is due)."""
+    remote_pid: int | None = None
+    """shm in place: the sender's pid, when this worker reads its tensors where they lie."""
 
 
 class WeightReceiver:
@@ -94,6 +101,7 @@ class WeightReceiver:
         self._mapped: dict[tuple[str, int], torch.Tensor] = {}
         self._assembler = Assembler(keep=True)
         self._segments: Any = None  # cuda_ipc.Segments: the sender's memory, mapped in place
+        self._refused: str | None = None  # why in-place shm reads were last refused
         # Engines that read buckets in another process and can hold them until the end (vLLM).
         self._can_stage = callable(getattr(engine, "commit_weights", None)) and callable(
             getattr(engine, "discard_weights", None)
@@ -247,7 +255,10 @@ class WeightReceiver:
             raise
         up.assembler.start()
         self._update = up
-        return {"keep_names": up.descriptor, "version": self.version}
+        reply: dict[str, Any] = {"keep_names": up.descriptor, "version": self.version}
+        if msg.transport == "shm":
+            reply["in_place"] = up.remote_pid is not None
+        return reply
 
     def _reuse(self, descs: list[dict], open_one: Any) -> list[torch.Tensor]:
         """The buffers of ``descs``: those mapped by an earlier update (same token and size)
@@ -281,6 +292,17 @@ class WeightReceiver:
             if name is not None:
                 shm._path(name)  # validates: only rollfleet names, nothing outside /dev/shm
         up.names = [n for n in names if n is not None]
+        offer = msg.options.get("in_place")
+        if offer is not None and up.sender_pid is not None and not up.descriptor and up.lora is None:
+            if not getattr(self.engine, "accepts_remote_tensors", False):
+                why: str | None = f"the {self.engine.name} engine does not take them"
+            else:
+                why = remote.probe(up.sender_pid, offer)
+            if why is None:
+                up.remote_pid = up.sender_pid
+            elif why != self._refused:
+                self._refused = why  # said once, not on every update
+                logger.info("weights through shared memory, not read in place: %s", why)
         if up.descriptor:
             # Names must outlive this message; if the sender dies, nobody else unlinks them.
             if up.sender_pid is not None:
@@ -309,11 +331,14 @@ class WeightReceiver:
         entries = msg.tensors
         if not all(type(e) is dict and type(e.get("offset")) is int and type(e.get("nbytes")) is int for e in entries):
             raise ValueError("every tensor entry needs int 'offset' and 'nbytes'")
-        in_place = [e for e in entries if "segment" in e]
+        in_place = [e for e in entries if is_in_place(e)]
         if in_place:
-            if up.transport != "cuda_ipc":
+            if up.transport != "cuda_ipc" and any("segment" in e for e in in_place):
                 raise ValueError("tensors read in place ('segment') need the cuda_ipc transport")
-            entries = [e for e in entries if "segment" not in e]
+            if (up.transport != "shm" or up.remote_pid is None) and any("address" in e for e in in_place):
+                raise ValueError("tensors read in place ('address') need an shm update whose worker "
+                                 "accepted in-place reads")
+            entries = [e for e in entries if not is_in_place(e)]
         nbytes = bucket_nbytes(entries)
         if not 0 <= nbytes <= up.sizes[msg.buffer]:
             raise ValueError(f"tensor entries need {nbytes} bytes, buffer has {up.sizes[msg.buffer]}")
@@ -330,7 +355,12 @@ class WeightReceiver:
 
             work = broadcast(up.group, up.buffers[msg.buffer][:nbytes])
             await asyncio.to_thread(work.wait)
-        views = self._in_place(up, in_place) if in_place else []
+        if not in_place:
+            views = []
+        elif up.transport == "shm":
+            views = self._remote(up, in_place)
+        else:
+            views = self._in_place(up, in_place)
         num = len(entries) + len(views)
         pending = None
         try:
@@ -354,7 +384,7 @@ class WeightReceiver:
                     up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
                 elif pairs:
                     await self.engine.load_weights(pairs)
-                if buf.is_cuda or views:
+                if buf.is_cuda or (views and up.transport == "cuda_ipc"):
                     # The copies out of this bucket run on: what the reply waits for.
                     pending = torch.cuda.Event()
                     pending.record(torch.cuda.current_stream(buf.device if buf.is_cuda else views[0][1].device))
@@ -396,6 +426,20 @@ class WeightReceiver:
                 raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside segment {k} "
                                  f"({flat.numel()} bytes)")
             out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+        return out
+
+    @staticmethod
+    def _remote(up: _Update, entries: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        """RemoteTensors for entries with 'address' (shm in place): the sender's tensors,
+        which the engine reads during its load_weights."""
+        assert up.remote_pid is not None
+        out: list[tuple[str, Any]] = []
+        for entry in entries:
+            name, dtype, shape, offset, nbytes = check_whole(entry)
+            address = entry["address"]
+            if type(address) is not int or address <= 0:
+                raise ValueError(f"{name}: 'address' must be an int > 0")
+            out.append((name, remote.RemoteTensor(up.remote_pid, address + offset, dtype, shape, nbytes)))
         return out
 
     def _end(self, msg: WeightsEnd) -> dict[str, Any]:

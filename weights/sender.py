@@ -8,8 +8,9 @@ One update, seen from the sender::
     WeightsEnd(commit=True) -> every worker; each answers with the version it now holds
 
 With cuda_ipc alone, the begin, the buckets and the end go out without waiting for each
-other's replies, and CUDA tensors of the trainer are read in place (no buffer, one copy):
-see WeightSyncConfig.in_place.
+other's replies, and CUDA tensors of the trainer are read in place (no buffer, one copy);
+with shm alone, CPU tensors are, once every worker has accepted at the begin: see
+WeightSyncConfig.in_place.
 
 A transport "channel" (ShmChannel, CudaIpcChannel, CollectiveChannel) owns the buffers of
 the workers that use it; the first channel's buffer is filled from the tensors and the
@@ -35,7 +36,7 @@ import torch
 
 from ..errors import WeightUpdateError
 from ..transport.messages import Message, WeightsBegin, WeightsBucket, WeightsEnd
-from . import shm
+from . import remote, shm
 from .bucket import ALIGN, Bucket, Packer, fill
 from .config import WeightSyncConfig, choose_transport
 
@@ -75,7 +76,7 @@ class UpdateReport:
     num_buckets: int = 0
     bytes: int = 0
     in_place_bytes: int = 0
-    """Bytes the engines read straight out of the trainer's tensors (cuda_ipc, in_place)."""
+    """Bytes the engines read straight out of the trainer's tensors (WeightSyncConfig.in_place)."""
     seconds: float = 0.0
     gbps: float = 0.0
     """Bytes of tensor data per second of the whole update, in 1e9 bytes/s."""
@@ -233,6 +234,13 @@ class WeightSender:
         in_place = None
         if cfg.in_place and len(channels) == 1 and channels[0].kind == "cuda_ipc":
             in_place = channels[0].in_place
+        elif cfg.in_place and len(channels) == 1 and channels[0].kind == "shm" and self._lora is None:
+            # Provisional: the receivers say at the begin whether they can read this
+            # process's memory; if not, the buckets packed so far move into the buffer.
+            if remote.huge_pages_pending():
+                await asyncio.to_thread(remote.settle_huge_pages)
+            channels[0].offer_in_place()
+            in_place = channels[0].in_place
         packer = Packer(named_tensors, cfg.bucket_bytes, in_place)
         buckets = iter(packer)
         loop = asyncio.get_running_loop()
@@ -243,7 +251,9 @@ class WeightSender:
         try:
             first = next(buckets, None)
             single = first is None or first.last
-            size = max(ALIGN, -(-first.nbytes // ALIGN) * ALIGN) if single and first else packer.capacity
+            # (shm: room for the tensors offered in place, in case the receivers refuse them)
+            need = first.nbytes + (first.in_place_room if first and channels[0].kind == "shm" else 0) if first else 0
+            size = max(ALIGN, -(-need // ALIGN) * ALIGN) if single and first else packer.capacity
             num_buffers = 1 if single else _num_buffers(cfg, channels)
             for ch in channels:
                 ch.allocate(size, num_buffers, packer.capacity)
@@ -257,6 +267,8 @@ class WeightSender:
                 pending.append(_together([t for ch in channels for t in self._begin_calls(uid, version, ch, cfg)]))
             else:
                 await self._begin(uid, version, channels, cfg)
+                if in_place is not None and channels[0].kind == "shm" and not channels[0].accepted:
+                    packer.stop_in_place(first)
             # Buckets in flight, oldest first, with the tensors each has the engines read in
             # place: alive until the bucket is loaded (on failure, until the update is aborted
             # everywhere). A bucket with bytes in a buffer also waits for that buffer's last
@@ -283,7 +295,7 @@ class WeightSender:
                 for task, _ in inflight:
                     if task.done():
                         task.result()
-                if pinned:
+                if pinned and channels[0].kind == "cuda_ipc":
                     # The engines read these now: this thread's (the trainer's) work on them
                     # must be done.
                     torch.cuda.current_stream(channels[0].device).synchronize()
@@ -329,6 +341,8 @@ class WeightSender:
             for ch in channels:
                 ch.close()
         report.ok = True
+        if in_place is not None and channels[0].kind == "shm" and channels[0].accepted and cfg.huge_pages:
+            remote.sent_in_place(channels[0].regions)
         report.num_tensors = packer.num_tensors
         report.bytes = packer.nbytes
         report.in_place_bytes = packer.nbytes_in_place

@@ -33,6 +33,8 @@ import threading
 import psutil
 import torch
 
+from . import remote
+
 __all__ = ["ShmChannel", "Segments", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments",
            "sweep_stale", "pid_alive", "release_kept"]
 
@@ -213,7 +215,11 @@ def release_kept() -> None:
 
 class ShmChannel:
     """Sender side of the shm transport: one set of segments shared by every shm receiver of
-    this process (each fill is read by all of them), kept between updates when allowed."""
+    this process (each fill is read by all of them), kept between updates when allowed.
+
+    In place (``offer_in_place``): the begin also offers the receivers reads straight out of
+    this process's memory (remote.py); tensors that ``in_place`` accepts then skip the
+    segments, provisionally until every receiver has said yes (``accepted``)."""
 
     kind = "shm"
 
@@ -224,6 +230,34 @@ class ShmChannel:
         self.count = 0
         self.buffers: list[torch.Tensor] = []
         self._start = psutil.Process().create_time()
+        bucket_bytes = int(getattr(config, "bucket_bytes", 0))
+        self.capacity = bucket_bytes - bucket_bytes % 64
+        self.probe: remote.Probe | None = None
+        self.accepted = False
+        self.regions: list[tuple[int, int]] = []  # (address, nbytes) offered in place
+
+    def offer_in_place(self) -> None:
+        """Offer in-place reads in the begin (where this platform has them)."""
+        if remote.available():
+            remote.allow_descendants()
+            self.probe = remote.Probe()
+
+    def in_place(self, tensor: torch.Tensor) -> dict | None:
+        """``{'address': ...}`` for a tensor the receivers may read where it lies: a plain,
+        contiguous CPU tensor of IN_PLACE_MIN_BYTES or more (up to a bucket until the
+        receivers have accepted, so that the buckets packed before can move into the
+        buffers). None otherwise."""
+        if self.probe is None or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
+            return None
+        if tensor.is_conj() or tensor.is_neg():
+            return None  # lazily conjugated or negated: the bytes are not the values
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < remote.IN_PLACE_MIN_BYTES or nbytes > self.capacity and not self.accepted:
+            return None
+        self.regions.append((tensor.data_ptr(), nbytes))
+        return {"address": tensor.data_ptr()}
 
     @property
     def names(self) -> list[str]:
@@ -253,12 +287,16 @@ class ShmChannel:
             if segs.named:
                 desc["name"] = segs.names[i]
             buffers.append(desc)
-        return buffers, {"sender_pid": os.getpid(), "sender_start": self._start}
+        options: dict = {"sender_pid": os.getpid(), "sender_start": self._start}
+        if self.probe is not None:
+            options["in_place"] = self.probe.describe()
+        return buffers, options
 
     async def connect(self) -> None:
         return None
 
     def after_begin(self, replies: list[dict]) -> None:
+        self.accepted = self.probe is not None and all(r.get("in_place") is True for r in replies)
         # Every receiver has mapped the segments: drop the names now unless one must reopen
         # them by name (descriptor engines), so no later crash can leave them behind.
         if any(r.get("keep_names") for r in replies):

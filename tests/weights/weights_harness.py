@@ -99,6 +99,29 @@ class StoreEngine(Engine):
         return {n: digest(t) for n, t in self.weights.items()}
 
 
+class RemoteStoreEngine(StoreEngine):
+    """StoreEngine that takes the sender's tensors in place over shm (RemoteTensor values),
+    reading each into a tensor of its own, as a CPU engine's parameters would be."""
+
+    name = "remote-store"
+    accepts_remote_tensors = True
+
+    async def load_weights(self, weights) -> None:
+        from rollfleet.weights.remote import RemoteTensor
+
+        self.remote_names = getattr(self, "remote_names", [])
+        plain = []
+        for name, tensor in weights:
+            if isinstance(tensor, RemoteTensor):
+                dst = torch.empty(tensor.shape, dtype=tensor.dtype)
+                tensor.copy_into(dst)
+                self.weights[name] = dst
+                self.remote_names.append(name)
+            else:
+                plain.append((name, tensor))
+        await super().load_weights(plain)
+
+
 class DescriptorEngine(StoreEngine):
     """In-test engine that maps each bucket by its shm name, as a loader in another process would."""
 
