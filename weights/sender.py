@@ -37,7 +37,7 @@ import torch
 from ..errors import WeightUpdateError
 from ..transport.messages import Message, WeightsBegin, WeightsBucket, WeightsEnd
 from . import remote, shm
-from .bucket import ALIGN, Bucket, Packer, fill
+from .bucket import ALIGN, Bucket, Packer, fill, is_in_place
 from .config import WeightSyncConfig, choose_transport
 
 __all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport", "release_buffers"]
@@ -252,7 +252,8 @@ class WeightSender:
             first = next(buckets, None)
             single = first is None or first.last
             # (shm: room for the tensors offered in place, in case the receivers refuse them)
-            need = first.nbytes + (first.in_place_room if first and channels[0].kind == "shm" else 0) if first else 0
+            need = min(packer.capacity, first.nbytes + (first.in_place_room if channels[0].kind == "shm" else 0)) \
+                if first else 0
             size = max(ALIGN, -(-need // ALIGN) * ALIGN) if single and first else packer.capacity
             num_buffers = 1 if single else _num_buffers(cfg, channels)
             for ch in channels:
@@ -268,6 +269,11 @@ class WeightSender:
             else:
                 await self._begin(uid, version, channels, cfg)
                 if in_place is not None and channels[0].kind == "shm" and not channels[0].accepted:
+                    if first is not None and any(is_in_place(p.entry) and p.entry["nbytes"] > packer.capacity
+                                                 for p in first.parts):
+                        # Assumed from the last update; cannot move into a buffer (the next
+                        # update will not assume it).
+                        raise RuntimeError("a worker refused the in-place reads it accepted at the last update")
                     packer.stop_in_place(first)
             # Buckets in flight, oldest first, with the tensors each has the engines read in
             # place: alive until the bucket is loaded (on failure, until the update is aborted

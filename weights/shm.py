@@ -213,6 +213,12 @@ def release_kept() -> None:
             _kept = None
 
 
+# Workers that accepted in-place reads from this process at their last begin: worker id ->
+# that worker's pid. An update to the same processes assumes they still do, so that even its
+# first bucket (packed before the begin's replies) may hold tensors larger than a bucket.
+_accepted: dict[str, int] = {}
+
+
 class ShmChannel:
     """Sender side of the shm transport: one set of segments shared by every shm receiver of
     this process (each fill is read by all of them), kept between updates when allowed.
@@ -234,6 +240,7 @@ class ShmChannel:
         self.capacity = bucket_bytes - bucket_bytes % 64
         self.probe: remote.Probe | None = None
         self.accepted = False
+        self.assumed = False
         self.regions: list[tuple[int, int]] = []  # (address, nbytes) offered in place
 
     def offer_in_place(self) -> None:
@@ -241,12 +248,14 @@ class ShmChannel:
         if remote.available():
             remote.allow_descendants()
             self.probe = remote.Probe()
+            self.assumed = all(getattr(link, "pid", None) is not None and _accepted.get(link.worker_id) == link.pid
+                               for link in self.links)
 
     def in_place(self, tensor: torch.Tensor) -> dict | None:
         """``{'address': ...}`` for a tensor the receivers may read where it lies: a plain,
         contiguous CPU tensor of IN_PLACE_MIN_BYTES or more (up to a bucket until the
         receivers have accepted, so that the buckets packed before can move into the
-        buffers). None otherwise."""
+        buffers, unless the same worker processes accepted last time). None otherwise."""
         if self.probe is None or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return None
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
@@ -254,7 +263,7 @@ class ShmChannel:
         if tensor.is_conj() or tensor.is_neg():
             return None  # lazily conjugated or negated: the bytes are not the values
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < remote.IN_PLACE_MIN_BYTES or nbytes > self.capacity and not self.accepted:
+        if nbytes < remote.IN_PLACE_MIN_BYTES or nbytes > self.capacity and not (self.accepted or self.assumed):
             return None
         self.regions.append((tensor.data_ptr(), nbytes))
         return {"address": tensor.data_ptr()}
@@ -297,6 +306,13 @@ class ShmChannel:
 
     def after_begin(self, replies: list[dict]) -> None:
         self.accepted = self.probe is not None and all(r.get("in_place") is True for r in replies)
+        if self.probe is not None:
+            for link, reply in zip(self.links, replies):
+                pid = getattr(link, "pid", None)
+                if reply.get("in_place") is True and pid is not None:
+                    _accepted[link.worker_id] = pid
+                else:
+                    _accepted.pop(link.worker_id, None)
         # Every receiver has mapped the segments: drop the names now unless one must reopen
         # them by name (descriptor engines), so no later crash can leave them behind.
         if any(r.get("keep_names") for r in replies):

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from rollfleet.errors import EngineFailed, InvalidRequest
+from rollfleet.errors import EngineFailed, InvalidRequest, WeightUpdateError
 from rollfleet.transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
 from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, remote, shm
 from rollfleet.weights.bucket import Packer
@@ -333,3 +333,35 @@ async def test_tensors_read_in_place_by_two_updates_in_a_row_move_onto_huge_page
     await off.update([("t", t)], 4, [link])
     await off.update([("t", t)], 5, [link])
     assert remote._job is before
+
+
+async def test_the_same_worker_processes_are_assumed_to_accept_again_even_for_the_first_bucket():
+    """The first bucket is packed before the begin's replies: a tensor larger than a bucket
+    goes in place there only when the same worker process accepted at the last update. A
+    worker that then refuses fails that update (the tensor cannot move into a buffer), and the
+    next update assumes nothing."""
+    weights = [("embed", torch.randn(3 * MIB)), ("layer", torch.randn(MIB // 2)), ("head", torch.randn(3 * MIB))]
+    engine = RemoteStoreEngine()
+    link = local("a", engine)
+    link.pid = 4242  # the worker process's pid, as the supervisor's links have it
+    sender = WeightSender(WeightSyncConfig(transport="shm", bucket_bytes=4 * MIB))
+    first = await sender.update(iter(weights), 1, [link])
+    assert first.in_place_bytes == (3 + 0.5 + 3) * MIB * 4 - 3 * MIB * 4  # embed went through the segments
+    engine.remote_names = []
+    second = await sender.update(iter(weights), 2, [link])
+    assert second.in_place_bytes == second.bytes and sorted(engine.remote_names) == ["embed", "head", "layer"]
+    assert engine.digests() == {n: digest(t) for n, t in weights}
+    engine.accepts_remote_tensors = False
+    with pytest.raises(WeightUpdateError, match="refused the in-place reads"):
+        await sender.update(iter(weights), 3, [link])
+    assert link.receiver.version == 2
+    third = await sender.update(iter(weights), 4, [link])
+    assert third.ok and third.in_place_bytes == 0 and link.receiver.version == 4
+    assert engine.digests() == {n: digest(t) for n, t in weights}
+    engine.accepts_remote_tensors = True
+    fourth = await sender.update(iter(weights), 5, [link])
+    assert fourth.in_place_bytes == first.in_place_bytes  # accepted again, not assumed
+    assert (await sender.update(iter(weights), 6, [link])).in_place_bytes == second.bytes
+    link.pid = 4343  # another process under the same worker id (restarted): nothing assumed
+    fifth = await sender.update(iter(weights), 7, [link])
+    assert fifth.in_place_bytes == first.in_place_bytes and link.receiver.version == 7
