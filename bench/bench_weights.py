@@ -255,8 +255,10 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
             await sup.update_weights(iter(tensors), version, transport=transport, bucket_bytes=bucket)
             return nbytes / (time.perf_counter() - t0) / 1e9
 
-        rows = [("shm", "shm", buckets, {}), ("shm_as_allocated", "shm", buckets[-1:], {"huge_pages": False}),
-                ("shm_buffered", "shm", buckets, {"in_place": False}), ("gloo", "collective", gloo_buckets, {})]
+        rows = [("shm", "shm", buckets, {}),
+                ("shm_as_allocated", "shm", buckets[-1:], {"huge_pages": False}),
+                ("shm_buffered", "shm", buckets, {"in_place": False}),
+                ("gloo", "collective", gloo_buckets, {})]
         for row, transport, sizes, options in rows:
             sup.config.weights.update(options)
             tensors = fresh if row == "shm_as_allocated" else weights

@@ -256,8 +256,8 @@ class ShmChannel:
         contiguous CPU tensor of IN_PLACE_MIN_BYTES or more (up to a bucket until the
         receivers have accepted, so that the buckets packed before can move into the
         buffers, unless the same worker processes accepted last time). None otherwise."""
-        if self.probe is None or not isinstance(tensor, torch.Tensor) or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None
+        if self.probe is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # (a subclass, e.g. DTensor, need not hold its values at data_ptr)
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
             return None
         if tensor.is_conj() or tensor.is_neg():
