@@ -14,7 +14,9 @@ import psutil
 
 from .config import DEVICE_ENV_VARS
 
-__all__ = ["WorkerProcess", "device_env", "kill_tree", "tail", "CONFIG_ENV"]
+__all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV", "record_shm",
+           "shm_names_mapped",
+           "shm_names_now", "sweep_shm_lists", "unlink_shm"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,101 @@ def tail(path: str, max_bytes: int = 4000) -> str:
         return ""
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL, include_parent: bool = True) -> None:
-    """Send ``sig`` to a process and all its descendants; vanished processes are fine."""
+# Shared memory that an engine's own child processes make through Python's multiprocessing
+# (vLLM's queues and locks: ``psm_*`` segments, ``sem.mp-*`` semaphores) is unlinked by those
+# processes when they end cleanly, and left in /dev/shm when they are killed. An engine
+# lists such names in ``<private dir>/shm-<its pid>.list`` (one per line); whoever sees that
+# process gone (the engine itself after reaping its children, the supervisor after a worker
+# died, or at shutdown) unlinks them.
+SHM_DIR = "/dev/shm"
+SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def shm_names_mapped(pids: list[int]) -> set[str]:
+    """Multiprocessing shared-memory names (see SHM_PREFIXES) that ``pids`` have mapped."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    path = line.rstrip("\n").split(None, 5)[-1]
+                    name = os.path.basename(path)
+                    if path.startswith(SHM_DIR + "/") and name.startswith(SHM_PREFIXES) and " " not in name:
+                        out.add(name)
+        except OSError:
+            continue  # gone, or not ours to read
+    return out
+
+
+def shm_names_now() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def record_shm(private_dir: str, names: set[str]) -> str:
+    """Write this process's list of leftover-prone shared-memory names; returns its path."""
+    path = os.path.join(private_dir, f"shm-{os.getpid()}.list")
+    with open(path, "w") as f:
+        f.write("".join(f"{n}\n" for n in sorted(names)))
+    return path
+
+
+def unlink_shm(names: set[str] | list[str]) -> list[str]:
+    """Unlink these /dev/shm names (multiprocessing's only); returns those that were there."""
+    gone = []
+    for name in names:
+        if "/" in name or not name.startswith(SHM_PREFIXES):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
+
+
+def sweep_shm_lists(private_dir: str | None, everything: bool = False) -> list[str]:
+    """Unlink the names listed by engine processes of ``private_dir`` that are gone (all of
+    them with ``everything``, at shutdown), and drop their lists. Returns what was unlinked."""
+    if not private_dir:
+        return []
+    try:
+        files = [f for f in os.listdir(private_dir) if f.startswith("shm-") and f.endswith(".list")]
+    except OSError:
+        return []
+    gone: list[str] = []
+    for fname in files:
+        pid = fname[len("shm-"):-len(".list")]
+        if not pid.isdigit() or (not everything and psutil.pid_exists(int(pid))):
+            continue
+        path = os.path.join(private_dir, fname)
+        try:
+            with open(path) as f:
+                gone += unlink_shm([line.strip() for line in f if line.strip()])
+            os.unlink(path)
+        except OSError:
+            continue
+    if gone:
+        logger.info("unlinked %d shared-memory names left by engine processes: %s", len(gone), ", ".join(gone))
+    return gone
+
+
+def is_resource_tracker(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a Python multiprocessing resource tracker: once every process that
+    writes to it is gone, it unlinks what they registered and did not release (semaphores,
+    shared memory) and exits. Killing it first leaves those in /dev/shm."""
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL, include_parent: bool = True,
+              spare: Any = None) -> None:
+    """Send ``sig`` to a process and all its descendants (but those ``spare(proc)`` is true
+    for); vanished processes are fine."""
     try:
         parent = psutil.Process(pid)
         procs = parent.children(recursive=True)
@@ -64,6 +159,8 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL, include_parent: bool = True) 
     except psutil.NoSuchProcess:
         return
     for proc in procs:
+        if spare is not None and spare(proc):
+            continue
         try:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
@@ -112,13 +209,32 @@ class WorkerProcess:
         except psutil.NoSuchProcess:
             pass
 
-    def kill_descendants(self) -> None:
+    def kill_descendants(self, spare: Any = None) -> None:
         for proc in list(self._descendants.values()):
             try:
-                if proc.is_running():  # also guards against pid reuse (compares create time)
+                if proc.is_running() and not (spare is not None and spare(proc)):  # is_running: not a reused pid
                     proc.kill()
             except psutil.Error:
                 pass
+
+    def _end_trackers(self, grace_s: float = 1.0) -> None:
+        """The resource trackers kill() spared exit by themselves, cleaning up, once the
+        worker and its other descendants are gone; any still running after ``grace_s`` is
+        killed."""
+        left = []
+        for proc in self._descendants.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(proc)
+            except psutil.Error:
+                pass
+        if left:
+            _, alive = psutil.wait_procs(left, timeout=grace_s)
+            for proc in alive:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -132,19 +248,21 @@ class WorkerProcess:
             kill_tree(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        # Descendants matter: vLLM's engine core runs in a grandchild.
+        # Descendants matter: vLLM's engine core runs in a grandchild. Resource trackers are
+        # left to clean up after the others (close() ends them).
         self.remember_descendants()
-        kill_tree(self.pid, signal.SIGKILL)
-        self.kill_descendants()
+        kill_tree(self.pid, signal.SIGKILL, spare=is_resource_tracker)
+        self.kill_descendants(spare=is_resource_tracker)
 
     def close(self) -> None:
         """Reap the process and release fds. Call after it has exited (or been killed)."""
-        self.kill_descendants()
+        self.kill_descendants(spare=is_resource_tracker)
         try:
             self.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.kill()
             self.popen.wait(timeout=5)
+        self._end_trackers()
         for fd in (self.pidfd, self._death_w):
             if fd is not None:
                 try:

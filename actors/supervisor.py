@@ -63,7 +63,7 @@ from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
 from .metrics import LogLimiter, MetricsExporter
-from .process import WorkerProcess, device_env
+from .process import WorkerProcess, device_env, sweep_shm_lists
 from .router import Router
 from .updates import WeightSync
 
@@ -289,6 +289,7 @@ class Supervisor:
             if self._ctx is not None:
                 self._ctx.term()
             if self.private_dir:
+                sweep_shm_lists(self.private_dir, everything=True)
                 shutil.rmtree(self.private_dir, ignore_errors=True)
             self._closed = True
 
@@ -342,6 +343,7 @@ class Supervisor:
                    "worker %s (pid %d) died: %s", handle.worker_id, handle.pid, reason)
         handle.last_error = reason
         self._retire(handle, reason)
+        sweep_shm_lists(self.private_dir)  # what its engine's processes shared, if it was killed
         for entry in self.table.on_worker(handle.worker_id):
             self.table.unbind(entry)
             if entry.state is State.ABORTING:

@@ -19,6 +19,7 @@ configured once, at start), ``private_dir``, ``extra`` (more engine arguments).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import mmap
@@ -30,6 +31,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+from ..actors.process import record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
 from .base import Engine, EngineDead, EngineOutput
@@ -83,6 +85,60 @@ def write_segment(weights: Iterable[tuple[str, Any]]) -> tuple[str, list[dict[st
     return seg, entries
 
 
+def _terminate(procs: list[Any]) -> None:
+    """SIGTERM, then SIGKILL after 5 s, and reap."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        logger.warning("vllm child %d ignored SIGTERM; killing it", p.pid)
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _own_resource_tracker() -> int | None:
+    """Pid of the multiprocessing resource tracker this process started, if any."""
+    import multiprocessing.resource_tracker as rt
+
+    tracker = getattr(rt, "_resource_tracker", None)
+    return getattr(tracker, "_pid", None) if getattr(tracker, "_fd", None) is not None else None
+
+
+def _stop_resource_tracker() -> None:
+    """Close this process's end of the tracker's pipe, so that it cleans up and exits (a
+    later use of multiprocessing starts a new one); killed if it has not within 5 s (it
+    ignores SIGTERM)."""
+    import multiprocessing.resource_tracker as rt
+
+    import psutil
+
+    tracker = rt._resource_tracker
+    with tracker._lock:
+        fd, pid = tracker._fd, tracker._pid
+        if fd is None or pid is None:
+            return
+        tracker._fd = tracker._pid = None
+        os.close(fd)
+    try:
+        proc = psutil.Process(pid)
+        try:
+            proc.wait(timeout=5)
+        except psutil.TimeoutExpired:
+            logger.warning("multiprocessing resource tracker %d did not exit; killing it", pid)
+            proc.kill()
+            proc.wait(timeout=5)
+    except psutil.Error:
+        pass
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -98,6 +154,8 @@ class VllmEngine(Engine):
         self._paused = False
         self._children: list[Any] = []
         self._run_dir: str | None = None
+        self._shm_names: set[str] = set()
+        self._shm_list: str | None = None
         self._own_private = False
         self._profile_dir: str | None = None
         self._trace_dir: str | None = None
@@ -145,6 +203,10 @@ class VllmEngine(Engine):
                 else:
                     os.environ[k] = v
             self._children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        # vLLM's processes share queues through multiprocessing shared memory: listed where
+        # the supervisor finds them if this process is killed (actors/process.py).
+        self._shm_names = shm_names_mapped([p.pid for p in self._children])
+        self._shm_list = record_shm(private, self._shm_names)
         logger.info("vllm engine started: model %s, %d child processes", opts["model"], len(self._children))
 
     def _engine_args(self, cuda: bool) -> dict[str, Any]:
@@ -180,7 +242,15 @@ class VllmEngine(Engine):
             except Exception:
                 logger.exception("vllm shutdown raised")
             self.llm = None
+        names = self._shm_names | shm_names_mapped([p.pid for p in self._children if p.is_running()])
         await asyncio.to_thread(self._reap)
+        # A clean shutdown has unlinked them; an engine that died (or children killed) has not.
+        left = unlink_shm(names)
+        if left:
+            logger.info("unlinked shared memory left by vLLM's processes: %s", ", ".join(sorted(left)))
+        if self._shm_list:
+            with contextlib.suppress(OSError):
+                os.unlink(self._shm_list)
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
         if self._own_private:
@@ -189,20 +259,15 @@ class VllmEngine(Engine):
     def _reap(self) -> None:
         import psutil
 
-        alive = [p for p in self._children if p.is_running()]
-        for p in alive:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        for p in alive:
-            logger.warning("vllm child %d ignored SIGTERM; killing it", p.pid)
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        # Python's multiprocessing resource tracker, started by this process for vLLM's
+        # children, goes last and by itself: once nobody writes to it any more it unlinks the
+        # semaphores and segments those children registered and did not release (a killed
+        # vLLM process releases nothing).
+        tracker = _own_resource_tracker()
+        alive = [p for p in self._children if p.is_running() and p.pid != tracker]
+        _terminate(alive)
+        if tracker is not None and any(p.pid == tracker for p in self._children):
+            _stop_resource_tracker()
 
     def capabilities(self) -> set[str]:
         if self.llm is None:

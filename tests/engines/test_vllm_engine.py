@@ -254,8 +254,12 @@ async def test_failed_reload_is_fatal_and_shutdown_leaves_nothing(engine, privat
     assert engine.dead
     with pytest.raises(EngineDead):
         await collect(engine, "after", PROMPT, greedy())
+    shared = set(engine._shm_names)
+    assert shared  # vLLM's processes talk through multiprocessing shared memory
     await engine.shutdown()
     await engine.shutdown()  # idempotent
+    # Its processes were killed, not shut down: what they shared is unlinked all the same.
+    assert not [n for n in shared if os.path.exists(f"/dev/shm/{n}")]
     assert not sockets_in(private_dir)
     # vLLM names its sockets by uuid4; other programs may add sockets of their own meanwhile.
     leaked = {p for p in sockets_in(tempfile.gettempdir()) - tmp_sockets_before if UUID.fullmatch(os.path.basename(p))}

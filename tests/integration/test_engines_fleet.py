@@ -121,12 +121,18 @@ def gone(procs: list[psutil.Process]) -> bool:
 
 @pytest.fixture(scope="module")
 def no_leaks_module():
-    """Fleets are torn down before this: it asserts they left no child process behind."""
+    """Fleets are torn down before this: it asserts they left no child process behind, and
+    none of the shared memory their engines' processes made (vLLM's queues and semaphores,
+    also after a worker was SIGKILLed)."""
+    from rollfleet.actors.process import shm_names_now
+
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    shm_before = shm_names_now()
     yield
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     time.sleep(0.5)
     assert gone(left), f"processes left behind: {[p.pid for p in left if p.is_running()]}"
+    assert shm_names_now() - shm_before == set()
 
 
 @pytest.fixture(scope="module")
