@@ -142,7 +142,7 @@ def test_refused_bucket_moves_in_place_tensors_into_its_buffer_within_capacity()
     assert {n: digest(t) for n, t in got.items()} == {n: digest(t) for n, t in tensors}
 
 
-async def test_address_entries_without_an_accepted_in_place_begin_are_bad_messages():
+async def test_address_entries_without_an_accepted_in_place_begin_are_refused():
     link = local("a", StoreEngine())
     rx = link.receiver
     weights = make_weights()
@@ -160,7 +160,8 @@ async def test_address_entries_without_an_accepted_in_place_begin_are_bad_messag
 
 async def test_an_address_the_sender_does_not_map_fails_the_bucket_not_the_worker():
     """An accepted update whose entry names unmapped memory: the engine's read fails with
-    EFAULT, the bucket answers engine_failed, the update is not committed, the next lands."""
+    EFAULT, the bucket fails (EngineFailed; weights_failed on the wire), the update is not
+    committed, the next lands."""
     engine = RemoteStoreEngine()
     link = local("a", engine)
     rx = link.receiver
