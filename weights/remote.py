@@ -256,8 +256,9 @@ def probe(pid: int, desc: Any) -> str | None:
 # one update to the next, so the sender moves the tensors that two updates in a row read in
 # place onto huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE, Linux 6.1+), in a thread, after
 # the second update; the next update waits for that to finish. Tensors gathered afresh for
-# each update (FSDP) never qualify. The contents do not change; a range the trainer freed
-# meanwhile only makes the call fail, which is ignored.
+# each update (FSDP) qualify only where the allocator put two of them at the same address.
+# The contents never change; a range the trainer freed meanwhile only makes the call fail,
+# which is ignored.
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
