@@ -14,9 +14,8 @@ import psutil
 
 from .config import DEVICE_ENV_VARS
 
-__all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV", "record_shm",
-           "shm_names_mapped",
-           "shm_names_now", "sweep_shm_lists", "unlink_shm"]
+__all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
+           "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +211,8 @@ class WorkerProcess:
     def kill_descendants(self, spare: Any = None) -> None:
         for proc in list(self._descendants.values()):
             try:
-                if proc.is_running() and not (spare is not None and spare(proc)):  # is_running: not a reused pid
+                # (is_running also tells a reused pid: it compares creation times)
+                if proc.is_running() and not (spare is not None and spare(proc)):
                     proc.kill()
             except psutil.Error:
                 pass
