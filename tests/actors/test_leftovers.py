@@ -1,0 +1,89 @@
+"""Shared memory that engines' own processes make through Python's multiprocessing must not
+outlive them when they are killed (actors/process.py). Real processes, real /dev/shm."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from rollfleet.actors.process import is_resource_tracker, kill_tree, record_shm, shm_names_now, sweep_shm_lists
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+# A stand-in for an engine process: multiprocessing shared memory and a spawn-context lock
+# (a named semaphore, registered with a resource tracker this process starts), then it waits.
+CHILD = """
+import multiprocessing, sys
+from multiprocessing import shared_memory
+seg = shared_memory.SharedMemory(create=True, size=1 << 16)
+lock = multiprocessing.get_context("spawn").Lock()
+if len(sys.argv) > 1:
+    from rollfleet.actors.process import record_shm
+    record_shm(sys.argv[1], {seg.name})
+print(seg.name, lock._semlock.name.lstrip("/").replace("mp-", "sem.mp-", 1), flush=True)
+sys.stdin.readline()
+"""
+
+
+def start_child(*args: str) -> tuple[subprocess.Popen, str, str]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    seg, sem = child.stdout.readline().split()
+    return child, seg, sem
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_names_listed_by_a_killed_engine_process_are_unlinked_by_the_sweep(tmp_path):
+    child, seg, _ = start_child(str(tmp_path))
+    try:
+        assert seg in shm_names_now()
+        assert sweep_shm_lists(str(tmp_path)) == []  # its process still runs: left alone
+        assert seg in shm_names_now()
+        kill_tree(child.pid)  # its resource tracker first: nobody cleans up after it
+        child.wait(10)
+        assert seg in shm_names_now()
+        assert sweep_shm_lists(str(tmp_path)) == [seg]
+        assert seg not in shm_names_now() and os.listdir(tmp_path) == []
+    finally:
+        kill_tree(child.pid)
+        child.wait(10)
+    # Names that are not multiprocessing's, or that hold a path, are never touched.
+    record = tmp_path / f"shm-{2 ** 22 + 12345}.list"
+    record.write_text("rf-1-0000000000000000-0\n../etc/passwd\npsm_/x\n")
+    assert sweep_shm_lists(str(tmp_path), everything=True) == [] and not record.exists()
+
+
+def test_a_spared_resource_tracker_unlinks_what_the_killed_processes_registered(tmp_path):
+    child, seg, sem = start_child()
+    tracker = None
+    try:
+        assert wait_until(lambda: any(is_resource_tracker(p) for p in psutil.Process(child.pid).children()))
+        tracker = next(p for p in psutil.Process(child.pid).children() if is_resource_tracker(p))
+        assert {seg, sem} <= shm_names_now()
+        kill_tree(child.pid, spare=is_resource_tracker)
+        child.wait(10)
+        # Nobody writes to the tracker any more: it unlinks both and exits.
+        assert wait_until(lambda: not ({seg, sem} & shm_names_now()))
+        assert wait_until(lambda: not tracker.is_running() or tracker.status() == psutil.STATUS_ZOMBIE)
+    finally:
+        kill_tree(child.pid)
+        if tracker is not None and tracker.is_running():
+            tracker.kill()
+        child.wait(10)
+
+
+def test_record_shm_writes_one_name_a_line(tmp_path):
+    path = record_shm(str(tmp_path), {"psm_b", "psm_a"})
+    assert os.path.basename(path) == f"shm-{os.getpid()}.list"
+    assert open(path).read() == "psm_a\npsm_b\n"
