@@ -20,10 +20,11 @@ import multiprocessing, sys
 from multiprocessing import shared_memory
 seg = shared_memory.SharedMemory(create=True, size=1 << 16)
 lock = multiprocessing.get_context("spawn").Lock()
+sem = lock._semlock.name.lstrip("/").replace("mp-", "sem.mp-", 1)
 if len(sys.argv) > 1:
     from rollfleet.actors.process import record_shm
-    record_shm(sys.argv[1], {seg.name})
-print(seg.name, lock._semlock.name.lstrip("/").replace("mp-", "sem.mp-", 1), flush=True)
+    record_shm(sys.argv[1], {seg.name, sem})
+print(seg.name, sem, flush=True)
 sys.stdin.readline()
 """
 
@@ -45,16 +46,16 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
 
 
 def test_names_listed_by_a_killed_engine_process_are_unlinked_by_the_sweep(tmp_path):
-    child, seg, _ = start_child(str(tmp_path))
+    child, seg, sem = start_child(str(tmp_path))
     try:
-        assert seg in shm_names_now()
+        assert {seg, sem} <= shm_names_now()
         assert sweep_shm_lists(str(tmp_path)) == []  # its process still runs: left alone
-        assert seg in shm_names_now()
+        assert {seg, sem} <= shm_names_now()
         kill_tree(child.pid)  # its resource tracker first: nobody cleans up after it
         child.wait(10)
-        assert seg in shm_names_now()
-        assert sweep_shm_lists(str(tmp_path)) == [seg]
-        assert seg not in shm_names_now() and os.listdir(tmp_path) == []
+        assert {seg, sem} <= shm_names_now()
+        assert sorted(sweep_shm_lists(str(tmp_path))) == sorted([seg, sem])
+        assert not {seg, sem} & shm_names_now() and os.listdir(tmp_path) == []
     finally:
         kill_tree(child.pid)
         child.wait(10)
