@@ -27,7 +27,6 @@ import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
-from ..weights.remote import RemoteTensor, read_into
 from .base import EngineOutput
 from .torch_batch import Batch, sample
 
@@ -303,6 +302,8 @@ class Runner:
         self.sleeping = False
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        from ..weights.remote import RemoteTensor, read_into  # here: the weights package is not needed to start
+
         params = self.model.state_dict(keep_vars=True)
         unknown, bad = [], []
         remote = []  # (RemoteTensor, parameter): read together, across the machine's cores

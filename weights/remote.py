@@ -61,6 +61,8 @@ def _load() -> Any:
                            ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
             libc.prctl.restype = ctypes.c_int
             libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+            libc.madvise.restype = ctypes.c_int
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc = libc
         return _libc
 
@@ -291,10 +293,7 @@ def _huge_ranges(regions: Sequence[tuple[int, int]]) -> set[tuple[int, int]]:
 
 def _collapse(ranges: list[tuple[int, int]]) -> int:
     """madvise each range onto huge pages; returns how many were collapsed."""
-    libc = _load()
-    madvise = libc.madvise
-    madvise.restype = ctypes.c_int
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _load().madvise
     done = 0
     for start, end in ranges:
         if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and madvise(start, end - start, _MADV_COLLAPSE) == 0:

@@ -232,16 +232,16 @@ class WeightSender:
         order = sorted(groups, key=("shm", "cuda_ipc", "collective", "zmq").index)
         channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
         in_place = None
-        if cfg.in_place and len(channels) == 1 and channels[0].kind == "cuda_ipc":
-            in_place = channels[0].in_place
-        elif cfg.in_place and len(channels) == 1 and channels[0].kind == "shm" and self._lora is None:
-            # Provisional: the receivers say at the begin whether they can read this
-            # process's memory; if not, the buckets packed so far move into the buffer.
-            if remote.huge_pages_pending():
-                await asyncio.to_thread(remote.settle_huge_pages)
-            channels[0].offer_in_place()
+        # shm in place is provisional: the receivers say at the begin whether they can read
+        # this process's memory; if not, the buckets packed so far move into the buffer.
+        shm_in_place = cfg.in_place and len(channels) == 1 and channels[0].kind == "shm" and self._lora is None
+        if (cfg.in_place and len(channels) == 1 and channels[0].kind == "cuda_ipc") or shm_in_place:
             in_place = channels[0].in_place
         packer = Packer(named_tensors, cfg.bucket_bytes, in_place)
+        if shm_in_place:
+            if remote.huge_pages_pending():
+                await asyncio.to_thread(remote.settle_huge_pages)
+            channels[0].offer_in_place(packer.capacity)
         buckets = iter(packer)
         loop = asyncio.get_running_loop()
         threads = _fill_threads(cfg)
@@ -268,7 +268,7 @@ class WeightSender:
                 pending.append(_together([t for ch in channels for t in self._begin_calls(uid, version, ch, cfg)]))
             else:
                 await self._begin(uid, version, channels, cfg)
-                if in_place is not None and channels[0].kind == "shm" and not channels[0].accepted:
+                if shm_in_place and not channels[0].accepted:
                     if first is not None and any(is_in_place(p.entry) and p.entry["nbytes"] > packer.capacity
                                                  for p in first.parts):
                         # Assumed from the last update; cannot move into a buffer (the next
@@ -347,7 +347,7 @@ class WeightSender:
             for ch in channels:
                 ch.close()
         report.ok = True
-        if in_place is not None and channels[0].kind == "shm" and channels[0].accepted and cfg.huge_pages:
+        if shm_in_place and channels[0].accepted and cfg.huge_pages:
             remote.sent_in_place(channels[0].regions)
         report.num_tensors = packer.num_tensors
         report.bytes = packer.nbytes

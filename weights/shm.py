@@ -236,15 +236,16 @@ class ShmChannel:
         self.count = 0
         self.buffers: list[torch.Tensor] = []
         self._start = psutil.Process().create_time()
-        bucket_bytes = int(getattr(config, "bucket_bytes", 0))
-        self.capacity = bucket_bytes - bucket_bytes % 64
+        self.capacity = 0  # of a bucket, set by offer_in_place
         self.probe: remote.Probe | None = None
         self.accepted = False
         self.assumed = False
         self.regions: list[tuple[int, int]] = []  # (address, nbytes) offered in place
 
-    def offer_in_place(self) -> None:
-        """Offer in-place reads in the begin (where this platform has them)."""
+    def offer_in_place(self, capacity: int) -> None:
+        """Offer in-place reads in the begin (where this platform has them), for buckets of
+        ``capacity`` bytes."""
+        self.capacity = capacity
         if remote.available():
             remote.allow_descendants()
             self.probe = remote.Probe()
