@@ -372,14 +372,17 @@ class EngineWorker:
             except Exception as exc:
                 await self._weights_failed(msg, exc)
                 return
-        try:
-            # A bucket's copies may still run on the GPU: the next bucket starts meanwhile.
-            await self._receiver.finish(pending)
-        except Exception as exc:
-            await self._weights_failed(msg, exc)
-            return
-        self._sync_version()
-        self._send(Reply(id=msg.id, data=data))
+
+        def done(exc: Exception | None) -> None:
+            if exc is not None:
+                self._spawn(self._weights_failed(msg, exc))
+                return
+            self._sync_version()
+            self._send(Reply(id=msg.id, data=data))
+
+        # A bucket's copies may still run on the GPU: the next bucket starts meanwhile, and
+        # the reply goes once they are done.
+        self._receiver.watch(pending, done)
 
     async def _weights_failed(self, msg: Message, exc: Exception) -> None:
         self._sync_version()

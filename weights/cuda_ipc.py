@@ -21,7 +21,9 @@ In place (one copy instead of two): a contiguous CUDA tensor of the trainer need
 through a buffer at all. ``export`` finds the allocation that holds it (the caching
 allocator's segment) and that allocation's IPC handle, both through the CUDA driver API;
 the bucket entry then says "segment k, offset o" and the engine copies straight out of
-the trainer's memory. ``Segments`` is the receiver's side: it maps each segment once and
+the trainer's memory. Allocations exported once are remembered (``_Exports``) for as long
+as the storage exported lives, so later tensors in them, at this update or the next, cost
+no driver call. ``Segments`` is the receiver's side: it maps each segment once and
 keeps the mapping while updates keep naming it (opening and closing a mapping costs about
 as much as copying 100 MB), closing the others at the end of each update. Memory the
 driver cannot export (``expandable_segments``, other allocators) goes through the buffers.
@@ -29,9 +31,11 @@ driver cannot export (``expandable_segments``, other allocators) goes through th
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import secrets
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -113,6 +117,7 @@ def open_shared(desc: dict[str, Any], device_index: int | None = None) -> torch.
 # ---------------------------------------------------------------- driver API (in place)
 
 HANDLE_BYTES = 64
+_MAX_PTR = 1 << 64
 IN_PLACE_MIN_BYTES = 1 << 20
 
 
@@ -140,6 +145,8 @@ class _Driver:
         self.push.argtypes = [ctypes.c_void_p]
         self.pop = lib.cuCtxPopCurrent_v2
         self.pop.argtypes = [ptr(ctypes.c_void_p)]
+        self.current = lib.cuCtxGetCurrent
+        self.current.argtypes = [ptr(ctypes.c_void_p)]
         self._contexts: dict[int, ctypes.c_void_p] = {}
 
     def context(self, device: int) -> ctypes.c_void_p:
@@ -170,22 +177,30 @@ def _check(result: int, what: str) -> None:
 
 
 class _Current:
-    """Makes a device's primary context current on this thread for a few driver calls."""
+    """Makes a device's primary context current on this thread for a few driver calls
+    (usually it is already: torch made it so)."""
 
     def __init__(self, drv: _Driver, device: int) -> None:
         self.drv, self.ctx = drv, drv.context(device)
+        self.pushed = False
 
     def __enter__(self) -> None:
+        now = ctypes.c_void_p()
+        if self.drv.current(ctypes.byref(now)) == 0 and now.value == self.ctx.value:
+            return
         _check(self.drv.push(self.ctx), "cuCtxPushCurrent")
+        self.pushed = True
 
     def __exit__(self, *exc: Any) -> None:
-        self.drv.pop(ctypes.byref(ctypes.c_void_p()))
+        if self.pushed:
+            self.pushed = False
+            self.drv.pop(ctypes.byref(ctypes.c_void_p()))
 
 
-def export(tensor: torch.Tensor) -> tuple[bytes, int, int] | None:
+def export(tensor: torch.Tensor) -> tuple[bytes, int, int, int] | None:
     """(IPC handle of the allocation holding ``tensor``, the allocation's base address, the
-    tensor's byte offset in it), or None when the driver cannot export that memory
-    (not a plain cudaMalloc allocation, e.g. with ``expandable_segments``)."""
+    tensor's byte offset in it, the allocation's size), or None when the driver cannot
+    export that memory (not a plain cudaMalloc allocation, e.g. with ``expandable_segments``)."""
     if not tensor.is_cuda or not tensor.is_contiguous():
         return None
     try:
@@ -199,7 +214,46 @@ def export(tensor: torch.Tensor) -> tuple[bytes, int, int] | None:
                 return None
     except (OSError, RuntimeError, AttributeError):
         return None
-    return bytes(handle), base.value, ptr - base.value
+    return bytes(handle), base.value, ptr - base.value, size.value
+
+
+class _Exports:
+    """Allocations exported before, so that their tensors need no driver call (two per
+    tensor, ~15 us) at every update: sorted [(base, end, handle, weak reference to the
+    storage exported)]. An entry holds while that storage lives: a live storage keeps its
+    block, hence the whole allocation, allocated, so any tensor lying in [base, end) lies in
+    that same allocation (and the handle still names it). Once the storage is gone the
+    allocation may have been freed and its addresses reused, so the next tensor there is
+    exported afresh. Nothing here keeps memory alive."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int, bytes, weakref.ref]] = []
+        self._lock = threading.Lock()
+
+    def find(self, tensor: torch.Tensor, nbytes: int) -> tuple[bytes, int] | None:
+        """(handle, offset in the allocation) for a contiguous CUDA tensor, or None."""
+        ptr = tensor.data_ptr()
+        with self._lock:
+            k = bisect.bisect_right(self._ranges, (ptr, _MAX_PTR)) - 1
+            if k >= 0:
+                base, end, handle, storage = self._ranges[k]
+                if ptr + nbytes <= end and storage() is not None:
+                    return handle, ptr - base
+        exported = export(tensor)
+        if exported is None:
+            return None
+        handle, base, offset, size = exported
+        with self._lock:
+            self._ranges = [r for r in self._ranges if r[3]() is not None and (r[1] <= base or r[0] >= base + size)]
+            bisect.insort(self._ranges, (base, base + size, handle, weakref.ref(tensor.untyped_storage())))
+        return handle, offset
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ranges = []
+
+
+_exports = _Exports()
 
 
 class _Array:
@@ -319,12 +373,13 @@ class CudaIpcChannel:
         'handle' the first time this update names the segment), or None: then it goes
         through the buffers. Only contiguous tensors of IN_PLACE_MIN_BYTES or more on this
         channel's device: below that a copy into the buffer costs less than a view."""
-        if tensor.device != self.device or tensor.numel() * tensor.element_size() < IN_PLACE_MIN_BYTES:
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.device != self.device or nbytes < IN_PLACE_MIN_BYTES or not tensor.is_contiguous():
             return None
-        exported = export(tensor)
+        exported = _exports.find(tensor, nbytes)
         if exported is None:
             return None
-        handle, _base, offset = exported
+        handle, offset = exported
         index = self._segments.get(handle)
         if index is None:
             index = self._segments[handle] = len(self._segments)

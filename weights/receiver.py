@@ -31,10 +31,12 @@ then stay alive for the whole update; this receiver unlinks them if the sender d
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,30 @@ logger = logging.getLogger(__name__)
 
 FINISH_POLL_S = 0.02
 """How long ``finish`` polls a bucket's GPU copies before it waits in a thread."""
+
+
+class _Done:
+    """Stands for GPU work that is already complete."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+_DONE = _Done()
+
+
+def _strides(shape: list[int]) -> list[int]:
+    """A contiguous tensor's strides, in elements."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    return strides[::-1]
 
 
 def _update_id(msg_id: str) -> str:
@@ -79,6 +105,8 @@ class _Update:
     lora_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     segments: list[torch.Tensor] = field(default_factory=list)
     """cuda_ipc in place: the sender's segments this update named, by number."""
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    """... and seen as each dtype read from them."""
     failed: bool = False
     """A bucket failed: the update cannot be committed (a sender may send the end without
     waiting for the buckets' replies)."""
@@ -109,6 +137,10 @@ class WeightReceiver:
         # Buckets of one update must be handled in order (collectives pair up by order);
         # asyncio.Lock wakes waiters first-come first-served.
         self._lock = asyncio.Lock()
+        # GPU work of started buckets, oldest first: (event, done, since); see watch.
+        self._watched: collections.deque[tuple[Any, Callable[[EngineFailed | None], None], float]] = \
+            collections.deque()
+        self._poller: asyncio.Task | None = None
 
     async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> dict[str, Any]:
         """Apply one weights message; returns the Reply data. ``buffers`` are the message's
@@ -120,10 +152,11 @@ class WeightReceiver:
     async def start(self, msg: WeightsBegin | WeightsBucket | WeightsEnd,
                     buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
         """``handle`` in two halves, so that the next bucket can start while this one's copies
-        still run on the GPU: (the Reply data, the GPU work still pending or None). Await
-        ``finish(pending)`` before replying: the sender reuses the buffer (and lets go of
-        tensors read in place) once it has the reply."""
+        still run on the GPU: (the Reply data, the GPU work still pending or None). Reply only
+        once that work is done (``watch`` or ``finish``): the sender reuses the buffer (and
+        lets go of tensors read in place) once it has the reply."""
         async with self._lock:
+            self._reap()  # buckets done meanwhile are answered before this one starts
             if isinstance(msg, WeightsBucket):
                 try:
                     return await self._bucket(msg, buffers or [])
@@ -134,26 +167,72 @@ class WeightReceiver:
                     raise
             return await self._handle(msg), None
 
-    async def finish(self, pending: Any) -> None:
-        """Wait for what ``start`` left running on the GPU. Raises EngineFailed if it failed.
+    def watch(self, pending: Any, done: Callable[[EngineFailed | None], None]) -> None:
+        """Call ``done(None)`` once the GPU work ``pending`` (from ``start``) is complete, or
+        ``done(EngineFailed)`` if it failed; in the order of ``watch`` calls.
 
-        A bucket's copies take a millisecond or so: the event is polled between the loop's
-        other work (the next bucket starts meanwhile), and only a longer wait goes to a
-        thread (a thread's wake-up, GIL included, would cost more than the copy)."""
+        ``done`` is called straight from the receiver's polling, not from a task woken
+        later: buckets that arrived together start one after another without yielding, and
+        a task woken meanwhile would only run after all of them; polling also happens at
+        every ``start``, so a bucket's reply leaves as soon as its copies are done. A
+        bucket's copies take a millisecond or so: the oldest event is polled between the
+        loop's other work, and only a longer wait goes to a thread (a thread's wake-up, GIL
+        included, would cost more than the copy)."""
+        if pending is None:
+            if not self._watched:
+                done(None)
+                return
+            pending = _DONE  # answered in order, after the buckets before it
+        self._watched.append((pending, done, time.monotonic()))
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll())
+
+    async def finish(self, pending: Any) -> None:
+        """Wait for what ``start`` left running on the GPU. Raises EngineFailed if it failed."""
         if pending is None:
             return
-        try:
-            deadline = time.monotonic() + FINISH_POLL_S
-            while not pending.query():
-                if time.monotonic() > deadline:
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(exc: EngineFailed | None) -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+
+        self.watch(pending, done)
+        await fut
+
+    def _reap(self) -> None:
+        watched = self._watched
+        while watched:
+            pending, done, _ = watched[0]
+            try:
+                if not pending.query():
+                    return
+                failure = None
+            except Exception as exc:
+                self.version = -1
+                if self._update is not None:
+                    self._update.failed = True
+                failure = EngineFailed(f"engine failed copying a bucket on the GPU: {type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+            watched.popleft()
+            try:
+                done(failure)
+            except Exception:  # an answer that cannot go out must not stop the others
+                logger.exception("answering a bucket failed")
+
+    async def _poll(self) -> None:
+        while self._watched:
+            self._reap()
+            if not self._watched:
+                return
+            pending, _, since = self._watched[0]
+            if time.monotonic() - since > FINISH_POLL_S:
+                try:
                     await asyncio.to_thread(pending.synchronize)
-                    break
+                except Exception:  # noqa: S110 - the next query raises it again, and says so
+                    pass
+            else:
                 await asyncio.sleep(0)
-        except Exception as exc:
-            self.version = -1
-            if self._update is not None:
-                self._update.failed = True
-            raise EngineFailed(f"engine failed copying a bucket on the GPU: {type(exc).__name__}: {exc}") from exc
 
     async def _handle(self, msg: WeightsBegin | WeightsEnd) -> dict[str, Any]:
         try:
@@ -199,6 +278,9 @@ class WeightReceiver:
 
     def close(self) -> None:
         """Release everything held; unlinks kept shm names only if their sender is gone."""
+        if self._poller is not None:
+            self._poller.cancel()
+        self._watched.clear()
         if self._update is not None:
             self._drop(sender_gone=not self._sender_alive(self._update))
         self._mapped.clear()
@@ -425,7 +507,15 @@ class WeightReceiver:
             if offset + nbytes > flat.numel():
                 raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside segment {k} "
                                  f"({flat.numel()} bytes)")
-            out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+            # One view op a tensor (each costs microseconds, and a bucket may name hundreds):
+            # the segment seen as this dtype, kept for the update.
+            typed = up.typed.get((k, dtype))
+            if typed is None:
+                typed = up.typed[k, dtype] = flat.view(dtype) if flat.numel() % dtype.itemsize == 0 else flat
+            if typed is flat and dtype is not torch.uint8:
+                out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+            else:
+                out.append((name, typed.as_strided(shape, _strides(shape), offset // dtype.itemsize)))
         return out
 
     @staticmethod
@@ -446,6 +536,7 @@ class WeightReceiver:
         up = self._update
         if up is not None and up.on_gpu:
             torch.cuda.synchronize(self.device if self.device.type == "cuda" else None)  # every bucket's copies
+            self._reap()  # their answers go out before this one
         if not msg.commit:
             if up is not None and up.uid == _update_id(msg.id):
                 # Buckets already handed to the engine (not staged, not a LoRA being collected)
@@ -492,6 +583,7 @@ class WeightReceiver:
             up.watchdog.cancel()
         up.buffers = []
         up.segments = []
+        up.typed = {}
         if self._segments is not None:
             self._segments.end_update()  # the mappings this update did not name are closed
         up.assembler.clear()  # partial tensors; completed assembly space is kept for reuse

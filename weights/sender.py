@@ -316,6 +316,13 @@ class WeightSender:
                 if buffered:
                     last_in[slot] = task
                 report.num_buckets += 1
+                if not buffered:
+                    # Nothing was awaited for this bucket: let its messages leave now, not
+                    # after the next bucket is packed (the engines would wait for that). One
+                    # turn of the loop runs the calls (a link sends, or posts), the next
+                    # sends what was posted in the first.
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
                 bucket = None  # drop the source tensors before pulling more
                 bucket = next(buckets, None)
             if pipelined:

@@ -65,3 +65,32 @@ def test_share_and_open_roundtrip_description_is_msgpack_clean():
 
     desc = share(torch.zeros(1024, dtype=torch.uint8, device="cuda"))
     assert msgpack.unpackb(msgpack.packb(desc, use_bin_type=True), raw=False) == desc
+
+
+@needs_cuda
+def test_exported_allocations_are_remembered_only_while_their_storage_lives():
+    """Tensors in an allocation exported before reuse its handle without a driver call; once
+    the storage exported is gone (freed, or a parameter's data swapped), the next tensor at
+    those addresses is exported afresh: the handle always names the live allocation."""
+    from rollfleet.weights.cuda_ipc import _Exports, export
+
+    mb = 1 << 20
+    cache = _Exports()
+    whole = torch.empty(8 * mb, dtype=torch.uint8, device="cuda")
+    first, second = whole[: 4 * mb], whole[4 * mb :]
+    handle = export(whole)[0]
+    assert cache.find(first, 4 * mb) == (handle, export(first)[2])
+    assert cache.find(second, 4 * mb) == (handle, export(second)[2])
+    assert export(second)[2] - export(first)[2] == 4 * mb
+
+    param = torch.nn.Parameter(torch.empty(6 * mb, dtype=torch.uint8, device="cuda"), requires_grad=False)
+    before = cache.find(param, 6 * mb)
+    assert before is not None and before[0] == export(param)[0]
+    param.data = torch.empty(6 * mb, dtype=torch.uint8, device="cuda")  # the old storage dies
+    assert cache.find(param, 6 * mb) == (export(param)[0], export(param)[2])
+
+    del first, second, whole
+    torch.cuda.empty_cache()  # the allocation goes back to the driver; its addresses may be reused
+    again = torch.empty(8 * mb, dtype=torch.uint8, device="cuda")
+    fresh = export(again)
+    assert cache.find(again, 8 * mb) == (fresh[0], fresh[2])
