@@ -38,6 +38,11 @@ IN_PLACE_MIN_BYTES = 1 << 20
 """Smaller tensors go through the shared segment: one system call each would cost more
 than the copy it saves."""
 
+MAX_THREADS = 16
+"""Threads reading at once: a core copies only 4-9 GB/s this way (the kernel's work per page
+included), so a read needs most of a machine's cores to come near one memcpy; the pool's
+threads sleep between loads."""
+
 _CHUNK = 16 << 20
 """Reads are split into pieces of about this size across threads."""
 
@@ -162,20 +167,20 @@ def _threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return max(1, min(MAX_THREADS, cores))
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(7, thread_name_prefix="rollfleet-read")
+            _pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="rollfleet-read")
         return _pool
 
 
 def read_into(pairs: Sequence[tuple[RemoteTensor, torch.Tensor]], threads: int | None = None) -> None:
     """Read every RemoteTensor into its contiguous CPU destination, in pieces spread over
-    ``threads`` (default: this process's cores, at most 8); the system call releases the
+    ``threads`` (default: this process's cores, at most MAX_THREADS); the system call releases the
     GIL, so the pieces run in parallel. Raises OSError (see RemoteTensor) after every piece
     ended."""
     pieces = []
