@@ -248,10 +248,6 @@ class _Exports:
             bisect.insort(self._ranges, (base, base + size, handle, weakref.ref(tensor.untyped_storage())))
         return handle, offset
 
-    def clear(self) -> None:
-        with self._lock:
-            self._ranges = []
-
 
 _exports = _Exports()
 

@@ -53,7 +53,8 @@ __all__ = ["WeightReceiver"]
 logger = logging.getLogger(__name__)
 
 FINISH_POLL_S = 0.02
-"""How long ``finish`` polls a bucket's GPU copies before it waits in a thread."""
+"""How long the oldest bucket's GPU copies are polled (see ``watch``) before a thread waits
+for them."""
 
 
 class _Done:
@@ -194,8 +195,12 @@ class WeightReceiver:
         fut = asyncio.get_running_loop().create_future()
 
         def done(exc: EngineFailed | None) -> None:
-            if not fut.done():
-                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
 
         self.watch(pending, done)
         await fut
