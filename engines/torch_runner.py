@@ -60,7 +60,6 @@ class Runner:
     def __init__(self, model: Any, *, device: torch.device, max_batch_size: int, seed: int,
                  num_threads: int | None, loop: asyncio.AbstractEventLoop) -> None:
         self.model = model
-        self._params: dict[str, Any] | None = None  # name -> parameter or buffer, for load_weights
         self.device = device
         self.max_batch_size = max_batch_size
         self.num_threads = num_threads
@@ -305,11 +304,7 @@ class Runner:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         from ..weights.remote import RemoteTensor, read_into  # here: the weights package is not needed to start
 
-        params = self._params
-        if params is None:
-            # Walking the modules costs ~ms for a big model, once per bucket: kept (the
-            # model's parameters and buffers are never replaced, only copied into).
-            params = self._params = self.model.state_dict(keep_vars=True)
+        params = self.model.state_dict(keep_vars=True)
         unknown, bad = [], []
         remote = []  # (RemoteTensor, parameter): read together, across the machine's cores
         for name, tensor in weights:
