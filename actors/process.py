@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -147,7 +148,7 @@ def is_resource_tracker(proc: psutil.Process) -> bool:
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL, include_parent: bool = True,
-              spare: Any = None) -> None:
+              spare: Callable[[psutil.Process], bool] | None = None) -> None:
     """Send ``sig`` to a process and all its descendants (but those ``spare(proc)`` is true
     for); vanished processes are fine."""
     try:
@@ -208,7 +209,7 @@ class WorkerProcess:
         except psutil.NoSuchProcess:
             pass
 
-    def kill_descendants(self, spare: Any = None) -> None:
+    def kill_descendants(self, spare: Callable[[psutil.Process], bool] | None = None) -> None:
         for proc in list(self._descendants.values()):
             try:
                 # (is_running also tells a reused pid: it compares creation times)

@@ -54,7 +54,7 @@ from rollfleet.transport.aio import LoopSocket  # noqa: E402
 from rollfleet.transport.codec import decode, encode, unbatch  # noqa: E402
 from rollfleet.transport.messages import Batch, Error, Register, Shutdown  # noqa: E402
 from rollfleet.transport.sockets import make_socket  # noqa: E402
-from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, release_buffers, remote  # noqa: E402
+from rollfleet.weights import WeightSender, WeightSyncConfig, release_buffers, remote  # noqa: E402
 
 MB = 1 << 20
 

@@ -48,6 +48,10 @@ __all__ = [
 ]
 
 ALIGN = 64
+
+IN_PLACE_MIN_BYTES = 1 << 20
+"""Smallest tensor the engines read in place (cuda_ipc, shm): below it a copy through the
+buffer costs less than the view or the system call that reading in place takes."""
 _END = object()
 
 
@@ -308,10 +312,13 @@ def _check(entry: Any, buffer_size: int | None) -> tuple[str, torch.dtype, list[
     return name, dtype, shape, offset, nbytes
 
 
-def check_whole(entry: Any) -> tuple[str, torch.dtype, list[int], int, int]:
-    """(name, dtype, shape, offset, nbytes) of an entry for a whole tensor, checked against
-    itself (bytes match the shape, offset aligned to the dtype); ValueError otherwise."""
-    name, dtype, shape, offset, nbytes = _check(entry, None)
+def check_whole(entry: Any, buffer_size: int | None = None) -> tuple[str, torch.dtype, list[int], int, int]:
+    """(name, dtype, shape, offset, nbytes) of an entry for a whole tensor (not a split
+    part), checked against itself (bytes match the shape, offset aligned to the dtype) and,
+    when given, the buffer's size; ValueError otherwise."""
+    name, dtype, shape, offset, nbytes = _check(entry, buffer_size)
+    if "part_offset" in entry:
+        raise ValueError(f"{name}: a split tensor part needs an Assembler")
     if nbytes != _numel(shape) * dtype.itemsize:
         raise ValueError(f"{name}: {nbytes} bytes do not match shape {shape} of {entry['dtype']}")
     if offset % dtype.itemsize:
@@ -331,10 +338,7 @@ def unpack(buffer: torch.Tensor, entries: list[dict[str, Any]]) -> list[tuple[st
     only until the buffer is reused. Split parts need an ``Assembler``; ValueError here."""
     out = []
     for entry in entries:
-        name, dtype, shape, offset, nbytes = _check(entry, buffer.numel())
-        if "part_offset" in entry:
-            raise ValueError(f"{name}: a split tensor part needs an Assembler")
-        check_whole(entry)
+        name, dtype, shape, offset, nbytes = check_whole(entry, buffer.numel())
         out.append((name, buffer[offset : offset + nbytes].view(dtype).view(shape)))
     return out
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .bucket import dtype_from_name, dtype_name
+from .bucket import IN_PLACE_MIN_BYTES, dtype_from_name, dtype_name
 
 __all__ = ["CudaIpcChannel", "Segments", "export", "share", "open_shared", "device_uuid", "release_kept"]
 
@@ -118,7 +118,6 @@ def open_shared(desc: dict[str, Any], device_index: int | None = None) -> torch.
 
 HANDLE_BYTES = 64
 _MAX_PTR = 1 << 64
-IN_PLACE_MIN_BYTES = 1 << 20
 
 
 class _Handle(ctypes.Structure):

@@ -513,14 +513,12 @@ class WeightReceiver:
                 raise ValueError(f"{name}: bytes [{offset}, {offset + nbytes}) lie outside segment {k} "
                                  f"({flat.numel()} bytes)")
             # One view op a tensor (each costs microseconds, and a bucket may name hundreds):
-            # the segment seen as this dtype, kept for the update.
+            # the segment seen as this dtype (its whole items), kept for the update. The
+            # tensor's bytes lie within those items: offset and nbytes are multiples of its size.
             typed = up.typed.get((k, dtype))
             if typed is None:
-                typed = up.typed[k, dtype] = flat.view(dtype) if flat.numel() % dtype.itemsize == 0 else flat
-            if typed is flat and dtype is not torch.uint8:
-                out.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
-            else:
-                out.append((name, typed.as_strided(shape, _strides(shape), offset // dtype.itemsize)))
+                typed = up.typed[k, dtype] = flat[: flat.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+            out.append((name, typed.as_strided(shape, _strides(shape), offset // dtype.itemsize)))
         return out
 
     @staticmethod

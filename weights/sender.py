@@ -231,12 +231,12 @@ class WeightSender:
         # shm/cuda_ipc first: filling a mapped or device buffer directly is cheapest.
         order = sorted(groups, key=("shm", "cuda_ipc", "collective", "zmq").index)
         channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
-        in_place = None
-        # shm in place is provisional: the receivers say at the begin whether they can read
-        # this process's memory; if not, the buckets packed so far move into the buffer.
-        shm_in_place = cfg.in_place and len(channels) == 1 and channels[0].kind == "shm" and self._lora is None
-        if (cfg.in_place and len(channels) == 1 and channels[0].kind == "cuda_ipc") or shm_in_place:
-            in_place = channels[0].in_place
+        # In place needs a single transport. shm in place is provisional: the receivers say at
+        # the begin whether they can read this process's memory; if not, the buckets packed
+        # so far move into the buffer.
+        alone = channels[0].kind if cfg.in_place and len(channels) == 1 else None
+        shm_in_place = alone == "shm" and self._lora is None
+        in_place = channels[0].in_place if alone == "cuda_ipc" or shm_in_place else None
         packer = Packer(named_tensors, cfg.bucket_bytes, in_place)
         if shm_in_place:
             if remote.huge_pages_pending():

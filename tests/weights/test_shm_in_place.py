@@ -5,7 +5,6 @@ In-process tests use LocalLink (the worker's reads then target this same process
 kernel allows like any other); the fleet test at the end runs the torch engine in a worker
 process of a real Supervisor."""
 
-import asyncio
 import os
 import re
 import subprocess
