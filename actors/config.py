@@ -65,6 +65,11 @@ class FleetConfig:
     """How long a worker may take to start its engine and register."""
     heartbeat_interval_s: float = 1.0
     """How often workers send heartbeats."""
+    report_interval_s: float = 0.05
+    """How often a worker reports the new tokens of requests that are not streamed (all of them
+    in one message): the partial output a request resumes from if its worker dies. Longer means
+    fewer messages for the supervisor with many requests running, and more tokens made again
+    after a worker's death."""
     heartbeat_timeout_s: float = 30.0
     """A worker silent this long is considered hung and is killed."""
     shutdown_timeout_s: float = 10.0
@@ -119,7 +124,8 @@ class FleetConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.devices is not None and len(self.devices) != self.num_workers:
             raise ValueError(f"devices has {len(self.devices)} entries for {self.num_workers} workers")
-        for name in ("start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s"):
+        for name in ("start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s",
+                     "report_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

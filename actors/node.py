@@ -8,7 +8,7 @@ that the job already has (the torchrun rendezvous store, or any TCPStore the nod
 
 Keys under ``<prefix>/`` in the store:
 
-- ``router``: JSON {address, server_key, engine, engine_options, heartbeat_interval_s,
+- ``router``: JSON {address, server_key, engine, engine_options, heartbeat_interval_s, report_interval_s,
   max_message_bytes}, written by ``publish_router``;
 - ``nodes``: a counter; agent n writes ``node/<n>/name`` and ``node/<n>/public`` (its
   CurveZMQ public key, Z85) and waits for ``node/<n>/admitted``, which the publisher
@@ -132,6 +132,7 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         "engine": cfg.engine,
         "engine_options": cfg.engine_options,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
+        "report_interval_s": cfg.report_interval_s,
         "max_message_bytes": cfg.max_message_bytes,
     }
     store.set(f"{prefix}/router", json.dumps(info))
@@ -245,6 +246,7 @@ class NodeAgent:
                 "device": device,
                 "host": self.name,
                 "heartbeat_interval_s": router["heartbeat_interval_s"],
+                "report_interval_s": router.get("report_interval_s", 0.05),
                 "max_message_bytes": router["max_message_bytes"],
                 "private_dir": self.private_dir,
                 "weight_version": 0,  # the supervisor brings it to the fleet's version

@@ -204,6 +204,7 @@ class Supervisor:
                 "engine_options": engine_options,
                 "device": device,
                 "heartbeat_interval_s": cfg.heartbeat_interval_s,
+                "report_interval_s": cfg.report_interval_s,
                 "max_message_bytes": cfg.max_message_bytes,
                 "private_dir": self.private_dir,
                 "weight_version": 0,

@@ -57,7 +57,10 @@ __all__ = ["EngineWorker", "main"]
 logger = logging.getLogger(__name__)
 
 CHUNK_INTERVAL_S = 0.05
-"""Longest a non-streamed request's new tokens wait before they are reported as a chunk."""
+"""Longest a non-streamed request's new tokens wait before they are reported as a chunk, unless
+the config says otherwise (``report_interval_s``). One timer per worker reports every such
+request's new tokens at once, so that they leave in one message: a worker running hundreds of
+requests sends a few messages per interval, not one per request."""
 
 
 def _is_fatal(exc: BaseException) -> bool:
@@ -73,6 +76,10 @@ class EngineWorker:
         self.weight_version = int(config.get("weight_version", 0))
         self.num_tokens = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}  # inner request id -> serving task
+        # Non-streamed requests with tokens not yet reported -> their flush; one timer for all.
+        self._unreported: dict[str, collections.abc.Callable[[], None]] = {}
+        self._report_timer: asyncio.TimerHandle | None = None
+        self._report_interval = float(config.get("report_interval_s", CHUNK_INTERVAL_S))
         self._stop = asyncio.Event()
         self._exit_code = 0
         self._weights_lock = asyncio.Lock()
@@ -247,15 +254,13 @@ class EngineWorker:
         logprobs: list[float] | None = [] if msg.sampling.logprobs else None
         version = self.weight_version
         # Streamed requests get every step at once. Others get a chunk at most every
-        # CHUNK_INTERVAL_S: the supervisor only needs their partial output to resume them if
+        # report_interval_s: the supervisor only needs their partial output to resume them if
         # this worker dies, and one message per request per decode step costs real throughput.
-        interval = 0.0 if msg.stream else CHUNK_INTERVAL_S
+        streamed = msg.stream
         sent = 0
-        timer: asyncio.TimerHandle | None = None
 
         def flush() -> None:
-            nonlocal sent, timer
-            timer = None
+            nonlocal sent
             if len(tokens) > sent:
                 # (header,) -- the tokens since the previous chunk
                 self._send(Chunk(id=msg.id, token_ids=tokens[sent:],
@@ -272,16 +277,14 @@ class EngineWorker:
                 if logprobs is not None and out.logprobs:
                     logprobs.extend(out.logprobs)
                 if out.finish_reason is None:
-                    if not interval:
+                    if streamed:
                         flush()
-                    elif timer is None and len(tokens) > sent:
+                    elif len(tokens) > sent and msg.id not in self._unreported:
                         # A timer, not the next output: an engine that stalls still reports
                         # what it made, so a resume does not start over.
-                        timer = asyncio.get_running_loop().call_later(interval, flush)
+                        self._report_later(msg.id, flush)
                     continue
-                if timer is not None:
-                    timer.cancel()
-                    timer = None
+                self._unreported.pop(msg.id, None)
                 if out.finish_reason is not None:
                     # (header,) -- all tokens of this attempt, not only the new ones
                     self._send(
@@ -304,8 +307,7 @@ class EngineWorker:
             if _is_fatal(exc) or getattr(self.engine, "dead", False):
                 await self._fatal(f"engine died serving a request: {exc!r}")
         finally:
-            if timer is not None:
-                timer.cancel()
+            self._unreported.pop(msg.id, None)
             self._tasks.pop(msg.id, None)
             # Left to the garbage collector, an unfinished generator is closed by a task that
             # the loop schedules through its self-pipe: several us per request.
@@ -313,6 +315,18 @@ class EngineWorker:
                 await outputs.aclose()
             except Exception:
                 logger.exception("closing the output stream of request %s failed", msg.id)
+
+    def _report_later(self, request_id: str, flush: collections.abc.Callable[[], None]) -> None:
+        """Have ``flush`` report a request's new tokens at the worker's next report."""
+        self._unreported[request_id] = flush
+        if self._report_timer is None:
+            self._report_timer = asyncio.get_running_loop().call_later(self._report_interval, self._report)
+
+    def _report(self) -> None:
+        self._report_timer = None
+        due, self._unreported = self._unreported, {}
+        for flush in due.values():
+            flush()
 
     async def _abort(self, msg: Abort) -> None:
         assert self.engine is not None

@@ -1,7 +1,7 @@
 """Scaling of the echo fleet: requests/s and p99 latency against the number of workers, weight
 transfer GB/s against the number of receiving workers, and where the CPU time goes.
 
-For each fleet size (1, 2, 4, 8, 16 workers; ``--quick``: 1, 2, 4, 8 with shorter runs) one
+For each fleet size (1, 2, 4, 8, 16 workers; ``--quick``: shorter runs) one
 Supervisor with echo workers (no model: every microsecond is rollfleet's) takes:
 
 - a flood of ``generate(max_tokens=1)`` calls with ``--window`` in flight: requests/s, and the
@@ -13,6 +13,12 @@ drives it, as in a training job), of its event-loop thread alone, of the worker 
 of the whole machine is read with psutil. The event loop is one thread: when it is busy close
 to 100% of a core, the supervisor is the bottleneck; when every core of the machine is busy and
 the loop is not, the machine is (more workers only share the same cores).
+
+Engine-paced: the same fleet sizes with each echo worker standing in for a real engine: at most
+``--paced-running`` requests at once (its batch), ``--paced-tokens-per-s`` tokens/s each, made
+8 at a time, requests of ``--paced-tokens`` tokens, with exactly a full batch per worker in flight.
+The engines are then the limit by construction; what counts is whether the fleet delivers
+their capacity as workers are added (``paced_vs_capacity``), and what that costs the loop.
 
 Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
@@ -31,7 +37,13 @@ Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_
 ``gbps_{k}w`` (model bytes per second of update), ``update_s_{k}w``,
 ``weights_supervisor_cpu_{k}w``, ``memcpy_gbps`` (one copy of the same bytes, for scale),
 ``rps_scaling_max`` (rps at the largest fleet / rps with one worker), ``gbps_scaling_max``,
-``bottleneck`` (at the largest fleet).
+``bottleneck`` (at the largest fleet); engine-paced: ``paced_rps_{n}w``,
+``paced_capacity_rps_{n}w``, ``paced_vs_capacity_{n}w``, ``paced_p50_ms_{n}w``, ``paced_p99_ms_{n}w``,
+``paced_loop_cpu_{n}w``, ``paced_workers_cpu_{n}w``, ``paced_machine_busy_{n}w``,
+``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_rps_scaling_max``,
+``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
+``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
+``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ PROMPT = [1, 2]
 PARAMS = SamplingParams(max_tokens=1)
 LOOP_SATURATED = 0.9  # of one core: the event loop has no time left to give
 MACHINE_SATURATED = 0.9  # of all cores
+ENGINES_SATURATED = 0.9  # of the paced engines' capacity
 ROUNDS = 3  # throughput: the median of this many floods per fleet size, taken in turns
 BLOCK = 100  # unloaded latency: calls per fleet size per turn
 
@@ -116,7 +129,8 @@ def bottleneck(cpu: dict[str, float], cores: int) -> str:
     return "none saturated"
 
 
-async def flood(client, n: int, window: int, tag: str) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
+                params: SamplingParams = PARAMS) -> tuple[float, list[float]]:
     """n calls with ``window`` in flight; returns (requests/s, latency of each call in us)."""
     left = n
     lat: list[float] = []
@@ -127,7 +141,7 @@ async def flood(client, n: int, window: int, tag: str) -> tuple[float, list[floa
         while left > 0:
             left -= 1
             t = time.perf_counter_ns()
-            await client.generate(f"{tag}-{next(ids)}", PROMPT, PARAMS)
+            await client.generate(f"{tag}-{next(ids)}", PROMPT, params)
             lat.append((time.perf_counter_ns() - t) / 1e3)
 
     t0 = time.perf_counter()
@@ -175,6 +189,61 @@ async def fleets_in_turns(sizes: dict, cores: int) -> dict:
         print(f"{n:>3} workers: {f['rps']:,.0f} req/s, p99 {f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} "
               f"cores, workers {f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}",
               flush=True)
+    return out
+
+
+def paced_options(sizes: dict) -> dict:
+    p = sizes["paced"]
+    return {"tokens_per_s": p["tokens_per_s"], "max_running": p["running"], "step_tokens": p["step_tokens"]}
+
+
+def paced_capacity(sizes: dict, n: int) -> float:
+    """Requests/s that n paced workers can finish at most: running x tokens/s / tokens per request."""
+    p = sizes["paced"]
+    return n * p["running"] * p["tokens_per_s"] / p["tokens"]
+
+
+async def paced_in_turns(sizes: dict, cores: int) -> dict:
+    """The echo fleet standing in for real engines: each worker runs at most ``running`` requests at
+    once at ``tokens_per_s`` each (a GPU engine's batch), requests of ``tokens`` tokens. With
+    exactly ``running`` requests in flight per worker the engines are the limit by construction;
+    what is measured is whether the fleet delivers their capacity as workers are added, and
+    what that load costs the supervisor's loop."""
+    p = sizes["paced"]
+    params = SamplingParams(max_tokens=p["tokens"])
+    out = {}
+    async with contextlib.AsyncExitStack() as stack:
+        sups = {}
+        for n in sizes["workers"]:
+            config = FleetConfig(engine="echo", num_workers=n, engine_options=paced_options(sizes),
+                                 frontend_addr=None, start_timeout_s=300)
+            sups[n] = await stack.enter_async_context(Supervisor(config))
+            out[n] = {"rps": [], "lat": [], "cpu": []}
+        clients = {n: sup.client() for n, sup in sups.items()}
+        for n, client in clients.items():  # warm-up: one batch per worker
+            await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
+        for r in range(ROUNDS):
+            for n, client in clients.items():
+                window = n * p["running"]
+                meter = CpuMeter(sups[n])
+                meter.start()
+                rps, lat = await flood(client, window * p["batches"], window, f"p{n}-{r}", params)
+                out[n]["cpu"].append(meter.stop())
+                out[n]["rps"].append(rps)
+                out[n]["lat"] += lat
+    for n, f in out.items():
+        f["num_calls"] = len(f["lat"])
+        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
+        f["cpu"] = cores_used(f["cpu"])
+        f["rps"] = statistics.median(f["rps"])
+        f["lat"] = summarize(f["lat"])
+        f["capacity"] = paced_capacity(sizes, n)
+        f["bottleneck"] = bottleneck(f["cpu"], cores)
+        if f["bottleneck"] == "none saturated" and f["rps"] >= ENGINES_SATURATED * f["capacity"]:
+            f["bottleneck"] = "engines (their capacity)"
+        print(f"{n:>3} paced workers: {f['rps']:,.0f} req/s of {f['capacity']:,.0f}, p99 {f['lat']['p99'] / 1e3:,.0f} ms, "
+              f"loop {f['cpu']['loop']:.2f} cores, workers {f['cpu']['workers']:.2f}, machine "
+              f"{f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
     return out
 
 
@@ -230,12 +299,13 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     return out, memcpy
 
 
-async def measure(sizes: dict, cores: int) -> tuple[dict, dict, float]:
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, float]:
     fleets = await fleets_in_turns(sizes, cores)
+    paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
     if not sizes["receivers"]:
-        return fleets, {}, 0.0
+        return fleets, paced, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
-    return fleets, updates, memcpy
+    return fleets, paced, updates, memcpy
 
 
 def run_loop(coro):  # type: ignore[no-untyped-def]
@@ -246,7 +316,7 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def metrics(sizes: dict, fleets: dict, updates: dict, memcpy: float) -> dict:
+def metrics(sizes: dict, fleets: dict, paced: dict, updates: dict, memcpy: float) -> dict:
     m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
                "bucket_mb": sizes["bucket_mb"]}
     for n, f in fleets.items():
@@ -265,6 +335,25 @@ def metrics(sizes: dict, fleets: dict, updates: dict, memcpy: float) -> dict:
         m[f"workers_us_per_req_{n}w"] = f["cpu_s"]["workers"] / f["num_calls"] * 1e6
         # What the event loop alone could sustain if it had a core to itself.
         m[f"loop_ceiling_rps_{n}w"] = f["num_calls"] / max(f["cpu_s"]["loop"], 1e-9)
+    for n, f in paced.items():
+        m[f"paced_rps_{n}w"], m[f"paced_capacity_rps_{n}w"] = f["rps"], f["capacity"]
+        m[f"paced_vs_capacity_{n}w"] = f["rps"] / f["capacity"]
+        m[f"paced_p50_ms_{n}w"], m[f"paced_p99_ms_{n}w"] = f["lat"]["p50"] / 1e3, f["lat"]["p99"] / 1e3
+        m[f"paced_loop_cpu_{n}w"], m[f"paced_workers_cpu_{n}w"] = f["cpu"]["loop"], f["cpu"]["workers"]
+        m[f"paced_machine_busy_{n}w"] = f["cpu"]["machine"]
+        m[f"paced_loop_us_per_req_{n}w"] = f["cpu_s"]["loop"] / f["num_calls"] * 1e6
+        m[f"paced_bottleneck_{n}w"] = f["bottleneck"]
+    if paced:
+        p, top, low = sizes["paced"], max(paced), min(paced)
+        m.update({"paced_running": p["running"], "paced_tokens_per_s": p["tokens_per_s"],
+                  "paced_tokens": p["tokens"], "paced_step_tokens": p["step_tokens"]})
+        m["paced_rps_scaling_max"] = paced[top]["rps"] / paced[low]["rps"]
+        m["paced_vs_capacity_min"] = min(f["rps"] / f["capacity"] for f in paced.values())
+        m["paced_loop_cpu_max"] = max(f["cpu"]["loop"] for f in paced.values())
+        m["paced_bottleneck"] = paced[top]["bottleneck"]
+        # How many such workers one loop could feed, from its CPU per request at the largest fleet.
+        ceiling = paced[top]["num_calls"] / max(paced[top]["cpu_s"]["loop"], 1e-9)
+        m["paced_loop_ceiling_workers"] = ceiling / paced_capacity(sizes, 1)
     for k, u in updates.items():
         m[f"gbps_{k}w"], m[f"update_s_{k}w"] = u["gbps"], u["seconds"]
         m[f"weights_supervisor_cpu_{k}w"] = u["cpu"].get("supervisor", 0.0)
@@ -282,7 +371,7 @@ def metrics(sizes: dict, fleets: dict, updates: dict, memcpy: float) -> dict:
     return m
 
 
-def plot(path: str, fleets: dict, updates: dict, memcpy: float, cores: int) -> bool:
+def plot(path: str, fleets: dict, paced: dict, updates: dict, memcpy: float, cores: int) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -292,7 +381,7 @@ def plot(path: str, fleets: dict, updates: dict, memcpy: float, cores: int) -> b
     import matplotlib.pyplot as plt
 
     ns = sorted(fleets)
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    fig, axes = plt.subplots(1, 5 if paced else 4, figsize=(20 if paced else 16, 3.8))
     ax = axes[0]
     ax.plot(ns, [fleets[n]["rps"] for n in ns], marker="o", label="measured")
     # What the event loop's CPU per request would allow it, on a core of its own.
@@ -336,6 +425,26 @@ def plot(path: str, fleets: dict, updates: dict, memcpy: float, cores: int) -> b
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    if paced:
+        ax = axes[4]
+        ps = sorted(paced)
+        ax.plot(ps, [paced[n]["rps"] for n in ps], marker="o", label="measured")
+        ax.plot(ps, [paced[n]["capacity"] for n in ps], linestyle="--", color="grey", label="engines' capacity")
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("requests / s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ps, [str(n) for n in ps])
+        ax.set_xlabel("workers")
+        ax.set_title("engine-paced echo fleet")
+        ax.grid(True, alpha=0.3)
+        twin = ax.twinx()
+        twin.plot(ps, [paced[n]["cpu"]["loop"] for n in ps], marker="s", color="tab:red",
+                  label="supervisor loop (cores)")
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("supervisor loop, cores")
+        lines = ax.get_legend_handles_labels()
+        more = twin.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper left")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -350,13 +459,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=256, help="Requests in flight for throughput.")
     parser.add_argument("--weights-mb", type=int, default=None, help="Bytes per weight update (MB).")
     parser.add_argument("--calls", type=int, default=None, help="Throughput calls per fleet size (all rounds).")
+    parser.add_argument("--paced-running", type=int, default=64,
+                        help="Engine-paced fleet: requests each worker runs at once (its batch).")
+    parser.add_argument("--paced-tokens-per-s", type=float, default=200.0,
+                        help="Engine-paced fleet: tokens/s of each running request.")
+    parser.add_argument("--paced-tokens", type=int, default=64, help="Engine-paced fleet: tokens per request.")
+    parser.add_argument("--paced-batches", type=int, default=None,
+                        help="Engine-paced fleet: requests per round, in full batches of every worker "
+                             "(default 3, --quick 2; 0 skips the engine-paced fleet).")
     args = parser.parse_args(argv)
     if args.quick:
-        sizes = {"workers": "1,2,4,8", "tput": 6000, "warmup": 500, "seq": 300, "weights_mb": 256,
-                 "bucket_mb": 64, "rounds": 3, "reps": 2}
+        sizes = {"workers": "1,2,4,8,16", "tput": 6000, "warmup": 500, "seq": 300, "weights_mb": 256,
+                 "bucket_mb": 64, "rounds": 3, "reps": 2, "batches": 2}
     else:
         sizes = {"workers": "1,2,4,8,16", "tput": 40_000, "warmup": 2000, "seq": 2000, "weights_mb": 1024,
-                 "bucket_mb": 256, "rounds": 3, "reps": 3}
+                 "bucket_mb": 256, "rounds": 3, "reps": 3, "batches": 3}
+    if min(args.paced_running, args.paced_tokens) < 1 or args.paced_tokens_per_s <= 0 or (args.paced_batches or 0) < 0:
+        parser.error("--paced-running, --paced-tokens and --paced-tokens-per-s must be > 0, --paced-batches >= 0")
+    sizes["paced"] = {"running": args.paced_running, "tokens_per_s": args.paced_tokens_per_s,
+                      "tokens": args.paced_tokens, "step_tokens": max(1, min(8, args.paced_tokens)),
+                      "batches": sizes.pop("batches") if args.paced_batches is None else args.paced_batches}
     try:
         sizes["workers"] = [int(x) for x in (args.workers or sizes["workers"]).split(",")]
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
@@ -380,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: the load average is other work, not ours
     cores = machine["machine_cores"]
     t0 = time.perf_counter()
-    fleets, updates, memcpy = run_loop(measure(sizes, cores))
-    m = metrics(sizes, fleets, updates, memcpy)
+    fleets, paced, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, paced, updates, memcpy)
     m["quick"] = args.quick
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
@@ -395,18 +517,30 @@ def main(argv: list[str] | None = None) -> int:
                  for n, f in sorted(fleets.items())],
                 title=f"echo fleet, generate(max_tokens=1), {args.window} in flight; {cores} cores, "
                       f"{machine['machine_cpu']}, load {machine['machine_load_1m']}{' (quick)' if args.quick else ''}")
+    if paced:
+        p = sizes["paced"]
+        print()
+        print_table(["workers", "req/s", "capacity req/s", "of capacity", "p50 ms", "p99 ms", "loop cores",
+                     "workers cores", "machine busy", "loop us/req", "bottleneck"],
+                    [(n, f["rps"], f["capacity"], f["rps"] / f["capacity"], f["lat"]["p50"] / 1e3,
+                      f["lat"]["p99"] / 1e3, f["cpu"]["loop"], f["cpu"]["workers"], f["cpu"]["machine"],
+                      m[f"paced_loop_us_per_req_{n}w"], f["bottleneck"]) for n, f in sorted(paced.items())],
+                    title=f"engine-paced echo fleet: {p['running']} requests at once per worker, "
+                          f"{p['tokens_per_s']:g} tokens/s each, {p['tokens']} tokens a request; one loop "
+                          f"could feed ~{m['paced_loop_ceiling_workers']:,.0f} such workers")
     if updates:
         print()
         print_table(["receivers", "GB/s", "update s", "sup. process cores"],
                     [(k, u["gbps"], u["seconds"], u["cpu"].get("supervisor")) for k, u in sorted(updates.items())],
                     title=f"update_weights, {sizes['weights_mb']} MB bf16 in {sizes['bucket_mb']} MB buckets "
                           f"(memcpy of the same bytes: {memcpy:.2f} GB/s)")
-    print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']}")
+    print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']} "
+          f"(no model), {m.get('paced_bottleneck', 'not run')} (engine-paced)")
     if args.json:
         write_json(args.json, m)
         print(f"wrote {args.json}")
     png = png_path(args)
-    if png and plot(png, fleets, updates, memcpy, cores):
+    if png and plot(png, fleets, paced, updates, memcpy, cores):
         print(f"wrote {png}")
     return 0
 

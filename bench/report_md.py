@@ -96,8 +96,8 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
     for n in ns:
         head = row.headline and n == ns[-1] and n != 1
         label = re.sub(r"\b1 (worker|receiver)s\b", r"1 \1", row.label.format(n=n))
-        rows.append((Row(label=label, key=row.key.format(n=n), baseline=row.baseline, against=row.against,
-                         ratio=row.ratio, goal=row.goal, gpu=row.gpu, missing=row.missing, headline=head), head))
+        rows.append((Row(label=label, key=row.key.format(n=n), baseline=row.baseline and row.baseline.format(n=n),
+                         against=row.against, ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu, missing=row.missing, headline=head), head))
     return rows
 
 
@@ -188,6 +188,22 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     else:
         text.append("Neither the loop nor the machine was saturated: throughput was bounded by round trips "
                     "(requests in flight / latency).")
+    ps = sorted(int(k[10:-1]) for k in m if re.fullmatch(r"paced_rps_\d+w", k))
+    if ps and "paced_loop_ceiling_workers" in m:
+        p = ps[-1]
+        share = ", ".join(f"{m[f'paced_vs_capacity_{n}w']:.2f}" for n in ps)
+        where = m.get(f"paced_bottleneck_{p}w", "")
+        text.append(
+            f"Paced like real engines ({m['paced_running']} requests at once per worker, "
+            f"{m['paced_tokens_per_s']:g} tokens/s each, {m['paced_tokens']} tokens a request: "
+            f"{fmt('_rps', m['paced_capacity_rps_1w'])} per worker), the fleet delivered {share} of the engines' "
+            f"capacity with {', '.join(map(str, ps))} workers ({fmt('_rps', m[f'paced_rps_{p}w'])} at {p}). "
+            f"There the loop was busy {m[f'paced_loop_cpu_{p}w']:.2f} of a core ({m[f'paced_loop_us_per_req_{p}w']:.0f} us "
+            f"per request, its progress reports included), so one loop could feed about "
+            f"{m['paced_loop_ceiling_workers']:,.0f} such workers"
+            + (f". Below 0.9 of the capacity at {p} workers, and neither the loop nor the machine saturated on "
+               f"average (machine busy {m.get(f'paced_machine_busy_{p}w', 0):.2f} of its {cores} cores)."
+               if where == "none saturated" else f"; the limit at {p} workers: {where}."))
     ks = sorted(int(k[5:-1]) for k in m if re.fullmatch(r"gbps_\d+w", k))
     if len(ks) > 1:
         curve = ", ".join(f"{m[f'gbps_{k}w']:.2f}" for k in ks)

@@ -3,6 +3,15 @@
 Tokens are a deterministic function of the sequence so far (its last token and its
 length), so resuming with prompt + partial tokens continues exactly where an
 uninterrupted run would. ``tokens_per_s`` paces generation (0: as fast as possible).
+
+Capacity, to stand in for a real engine in scaling runs:
+
+- ``max_running``: N -- at most N requests generate at once (a real engine's batch limit,
+  e.g. vLLM's ``max_num_seqs``); later ones wait their turn in arrival order, and an abort
+  ends a waiting request at once. 0 (default): no limit.
+- ``step_tokens``: K -- a request makes its tokens K at a time, one output each K tokens, and
+  when paced one wait each K (K / tokens_per_s apart), so that thousands of paced sequences
+  cost the worker little CPU. Default 1.
 A weight update with a tensor named ``offset`` shifts every later token, so tests can
 see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
 
@@ -64,6 +73,10 @@ class EchoEngine(Engine):
         self.fail_after = _opt_int(self.options.get("fail_generate_after"))
         self.fail_fatal = bool(self.options.get("fail_fatal"))
         self.stall_after = _opt_int(self.options.get("stall_after"))
+        self.max_running = int(self.options.get("max_running") or 0)
+        self.step_tokens = max(1, int(self.options.get("step_tokens") or 1))
+        self._free = self.max_running  # slots left when max_running is set
+        self._waiting: dict[str, asyncio.Future[bool]] = {}  # arrival order; True: slot granted
         self.offset = 0
         self._aborted: set[str] = set()
         self._running: set[str] = set()
@@ -88,13 +101,20 @@ class EchoEngine(Engine):
     ) -> AsyncIterator[EngineOutput]:
         self.num_requests += 1
         self._running.add(request_id)
+        slot = False
         try:
+            if self.max_running:
+                slot = await self._take_slot(request_id)
+                if not slot:  # aborted while waiting
+                    yield EngineOutput([], [] if params.logprobs else None, _ABORT)
+                    return
             if params.max_tokens == 0:
                 yield EngineOutput([], [] if params.logprobs else None, _LENGTH)
                 return
             last = prompt_ids[-1] if prompt_ids else 0
             length = len(prompt_ids)
-            delay = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+            step = self.step_tokens
+            delay = step / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
             # The fault length this call can reach (-1: none); one int compare per token.
             fault_at = -1
             if self.fail_after is not None or self.stall_after is not None:
@@ -103,32 +123,74 @@ class EchoEngine(Engine):
             stop = set(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
                 stop.add(int(self.eos_token_id))
+            made: list[int] = []  # tokens of the current step, not yet yielded
             for i in range(params.max_tokens):
+                if i % step == 0 and made:
+                    yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, None)
+                    made = []
                 if delay:
-                    await asyncio.sleep(delay)
+                    if i % step == 0:
+                        await asyncio.sleep(delay)
                 elif i and i % 64 == 0:
                     await asyncio.sleep(0)  # let aborts in
-                if not self._resumed.is_set():
-                    await self._resumed.wait()
-                if request_id in self._aborted:
-                    yield EngineOutput([], [] if params.logprobs else None, _ABORT)
-                    return
-                if length == fault_at:
-                    await self._fault(length)
+                if not self._resumed.is_set() or request_id in self._aborted or length == fault_at:
+                    if made:  # what was made is reported before waiting, stopping or failing
+                        yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, None)
+                        made = []
+                    if not self._resumed.is_set():
+                        await self._resumed.wait()
+                    if request_id in self._aborted:
+                        yield EngineOutput([], [] if params.logprobs else None, _ABORT)
+                        return
+                    if length == fault_at:
+                        await self._fault(length)
                 token = echo_next_token(last, length, self.vocab_size, self.offset)
                 last, length = token, length + 1
                 self.num_tokens += 1
+                made.append(token)
                 finish = None
                 if token in stop:
                     finish = _STOP
                 elif i == params.max_tokens - 1:
                     finish = _LENGTH
-                yield EngineOutput([token], [-1.0] if params.logprobs else None, finish)
                 if finish:
+                    yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, finish)
                     return
+                if step == 1:
+                    yield EngineOutput(made, [-1.0] if params.logprobs else None, None)
+                    made = []
         finally:
+            if slot:
+                self._give_slot()
             self._running.discard(request_id)
             self._aborted.discard(request_id)
+
+    async def _take_slot(self, request_id: str) -> bool:
+        """Wait for one of ``max_running`` slots; False if the request was aborted first."""
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return True
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self._give_slot()  # granted, but the caller went away before taking it
+            raise
+        finally:
+            if self._waiting.get(request_id) is waiter:
+                del self._waiting[request_id]
+
+    def _give_slot(self) -> None:
+        """Hand a freed slot to the longest waiting request, or keep it."""
+        while self._waiting:
+            request_id = next(iter(self._waiting))
+            waiter = self._waiting.pop(request_id)
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self._free += 1
 
     async def _fault(self, length: int) -> None:
         if length == self.stall_after:
@@ -138,6 +200,11 @@ class EchoEngine(Engine):
         raise RuntimeError(f"echo engine failed at length {length} (fail_generate_after option)")
 
     async def abort(self, request_id: str) -> None:
+        waiter = self._waiting.pop(request_id, None)
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(False)
+            return
         if request_id in self._running:
             self._aborted.add(request_id)
 
@@ -165,7 +232,8 @@ class EchoEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "num_running": len(self._running),
+            "num_running": len(self._running) - len(self._waiting),
+            "num_waiting": len(self._waiting),
             "num_tokens": self.num_tokens,
             "num_requests": self.num_requests,
             "paused": not self._resumed.is_set(),

@@ -35,7 +35,8 @@ def test_run_all_is_an_executable_script():
 def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_path):
     out, report = tmp_path / "out", tmp_path / "R.md"
     run_all("--quick", "--only", "bench_scaling", "--out", str(out), "--report", str(report),
-            "--extra", "--workers 1,2 --receivers 1,2 --weights-mb 8 --calls 900", timeout=120)
+            "--extra", "--workers 1,2 --receivers 1,2 --weights-mb 8 --calls 900 --paced-running 8 "
+            "--paced-tokens 16 --paced-batches 1", timeout=120)
     metrics = json.loads((out / "bench_scaling.json").read_text())
     for key in ("rps_1w", "rps_2w", "p99_us_1w", "p99_us_2w", "gbps_1w", "gbps_2w", "memcpy_gbps"):
         assert metrics[key] > 0, key
@@ -44,11 +45,19 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert 0 < metrics[f"supervisor_loop_cpu_{n}w"] <= 1.05
         assert metrics[f"workers_cpu_{n}w"] >= 0 and metrics[f"bottleneck_{n}w"]
     assert metrics["machine_cores"] >= 1
+    for n in (1, 2):
+        # Paced workers cannot finish more than their capacity (8 at once, 200 tokens/s, 16 tokens:
+        # 100 req/s each), and a fleet that delivers nothing near it is broken.
+        assert metrics[f"paced_capacity_rps_{n}w"] == pytest.approx(100 * n)
+        assert 0.3 < metrics[f"paced_vs_capacity_{n}w"] <= 1.02
+        assert 0 < metrics[f"paced_loop_cpu_{n}w"] <= 1.05 and metrics[f"paced_bottleneck_{n}w"]
+    assert metrics["paced_loop_ceiling_workers"] > 0
     text = report.read_text()
     assert text.startswith("# Benchmark results")
     assert "| figure | value | baseline | baseline value | ratio | goal | met |" in text
     assert "| throughput, 2 workers |" in text and "| 1 worker |" in text
-    assert "### Where the bottleneck is" in text and "event loop" in text
+    assert "### Where the bottleneck is" in text and "event loop" in text and "Paced like real engines" in text
+    assert "| engine-paced throughput, 2 workers |" in text
     assert "`bench_rpc`: not run: not selected" in text
     assert "| A | " in text  # the machines table names this machine
     if (out / "bench_scaling.png").exists():  # matplotlib is an optional extra

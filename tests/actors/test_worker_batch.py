@@ -15,12 +15,15 @@ import zmq
 from rollfleet.actors.process import CONFIG_ENV
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport import codec
-from rollfleet.transport.messages import Batch, Error, Generate, Register, Reply, Result, SamplingParams, Shutdown
+from rollfleet.transport.messages import (
+    Batch, Chunk, Error, Generate, Register, Reply, Result, SamplingParams, Shutdown,
+)
 
 
 @pytest.fixture
-def worker(tmp_path):
-    """(router socket, worker identity, process): a registered echo worker."""
+def worker(tmp_path, request):
+    """(router socket, worker identity, process): a registered echo worker (config entries from
+    an indirect parameter override the defaults)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -29,6 +32,7 @@ def worker(tmp_path):
     router.bind(addr)
     config = {"addr": addr, "worker_id": "w0-0", "engine": "echo", "engine_options": {"tokens_per_s": 0},
               "parent_pid": os.getpid(), "heartbeat_interval_s": 60}
+    config.update(getattr(request, "param", {}))
     proc = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.worker"],
                             env=dict(os.environ, **{CONFIG_ENV: json.dumps(config)}))
     try:
@@ -88,3 +92,50 @@ def test_unbatched_messages_still_work(worker):
     router.send_multipart([ident, codec.encode(Generate(id="solo", prompt_ids=[5], sampling=SamplingParams(max_tokens=2)))])
     got, _ = collect(router, {"solo"})
     assert got["solo"].token_ids == echo_tokens([5], 2)
+
+
+PACED = {"engine_options": {"tokens_per_s": 100, "step_tokens": 2}, "report_interval_s": 0.15}
+
+
+@pytest.mark.parametrize("worker", [PACED], indirect=True)
+def test_new_tokens_of_running_requests_are_reported_together_once_per_interval(worker):
+    router, ident, _ = worker
+    params = SamplingParams(max_tokens=40)  # 0.4 s each at 100 tokens/s
+    requests = [Generate(id=f"p{i}", prompt_ids=[i + 3], sampling=params) for i in range(24)]
+    router.send_multipart([ident, codec.batch_frame([codec.encode(m) for m in requests])])
+    chunks: dict[str, list[int]] = {m.id: [] for m in requests}
+    results: dict[str, Result] = {}
+    reports = []  # (arrival time, requests reported) of each frame that carried chunks
+    deadline = time.monotonic() + 30
+    while len(results) < len(requests):
+        assert router.poll(max(1, int((deadline - time.monotonic()) * 1000))), "answers missing"
+        _, raw = router.recv_multipart()
+        msg = codec.decode([raw])
+        reported = []
+        for item in codec.unbatch(msg) if isinstance(msg, Batch) else [msg]:
+            if isinstance(item, Chunk):
+                assert item.id not in results and item.token_ids
+                chunks[item.id] += item.token_ids
+                reported.append(item.id)
+            elif isinstance(item, Result):
+                results[item.id] = item
+        if reported:
+            reports.append((time.monotonic(), reported))
+    for m in requests:
+        want = echo_tokens(m.prompt_ids, 40)
+        assert results[m.id].token_ids == want
+        assert chunks[m.id] == want[:len(chunks[m.id])] and chunks[m.id]  # in order, never repeated
+    # One report per interval for all requests (per-request timers would report each request in
+    # its own turn of the loop, ~24 per interval). A report may take two frames (the transport
+    # sends the first message of a turn at once and batches the rest): frames less than 30 ms
+    # apart are one report.
+    merged: list[tuple[float, set[str]]] = []
+    for t, ids in reports:
+        if merged and t - merged[-1][0] < 0.03:
+            merged[-1][1].update(ids)
+        else:
+            merged.append((t, set(ids)))
+    assert 1 <= len(merged) <= 4, [(round(t, 3), len(r)) for t, r in reports]
+    assert max(len(r) for _, r in merged) == len(requests), [(round(t, 3), len(r)) for t, r in reports]
+    gaps = [b[0] - a[0] for a, b in zip(merged, merged[1:])]
+    assert all(g > 0.1 for g in gaps), gaps  # not sooner than the configured interval (0.15 s)

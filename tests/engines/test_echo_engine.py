@@ -1,0 +1,126 @@
+"""The echo engine's capacity options: ``max_running`` (a batch limit, later requests wait their
+turn, an abort ends a waiting one at once) and ``step_tokens`` (paced tokens made K at a time)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.engines.echo import EchoEngine, echo_tokens
+from rollfleet.transport.messages import SamplingParams
+
+
+async def collect(engine: EchoEngine, request_id: str, prompt: list[int], max_tokens: int,
+                  started: list[str] | None = None) -> tuple[list[int], str]:
+    tokens: list[int] = []
+    finish = ""
+    async for out in engine.generate(request_id, prompt, SamplingParams(max_tokens=max_tokens)):
+        if started is not None and not tokens and out.token_ids:
+            started.append(request_id)
+        tokens += out.token_ids
+        finish = out.finish_reason or finish
+    return tokens, finish
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+async def test_max_running_bounds_concurrency_and_serves_in_arrival_order():
+    engine = EchoEngine({"max_running": 2, "tokens_per_s": 400})
+    await engine.start()
+    peak = 0
+    started: list[str] = []
+    tasks = [asyncio.create_task(collect(engine, f"r{i}", [i + 1], 8, started)) for i in range(6)]
+    while not all(t.done() for t in tasks):
+        stats = engine.stats()
+        peak = max(peak, stats["num_running"])
+        assert stats["num_running"] + stats["num_waiting"] <= 6
+        await asyncio.sleep(0.001)
+    assert peak == 2
+    assert started == [f"r{i}" for i in range(6)]
+    for i, task in enumerate(tasks):
+        assert task.result() == (echo_tokens([i + 1], 8), "length")
+    assert engine.stats()["num_running"] == 0 and engine.stats()["num_waiting"] == 0
+
+
+async def test_abort_ends_a_waiting_request_at_once_and_leaves_the_others_whole():
+    engine = EchoEngine({"max_running": 1, "tokens_per_s": 100})
+    await engine.start()
+    first = asyncio.create_task(collect(engine, "a", [5], 20))
+    await wait_for(lambda: engine.stats()["num_running"] == 1)
+    waiting = asyncio.create_task(collect(engine, "b", [6], 20))
+    third = asyncio.create_task(collect(engine, "c", [7], 3))
+    await wait_for(lambda: engine.stats()["num_waiting"] == 2)
+    await engine.abort("b")
+    # Ends while "a" still holds the only slot (20 tokens at 100/s: 0.2 s).
+    assert await asyncio.wait_for(waiting, 0.15) == ([], "abort")
+    assert not first.done()
+    assert await first == (echo_tokens([5], 20), "length")
+    assert await third == (echo_tokens([7], 3), "length")
+
+
+async def test_a_cancelled_waiter_gives_back_any_slot_it_was_granted():
+    engine = EchoEngine({"max_running": 1, "tokens_per_s": 1000})
+    await engine.start()
+    holder = asyncio.create_task(collect(engine, "a", [1], 5))
+    await wait_for(lambda: engine.stats()["num_running"] == 1)
+    gone = asyncio.create_task(collect(engine, "b", [2], 5))
+    await wait_for(lambda: engine.stats()["num_waiting"] == 1)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await holder
+    # The slot came back: two more requests run one after the other, none hangs.
+    results = await asyncio.wait_for(asyncio.gather(collect(engine, "c", [3], 4), collect(engine, "d", [4], 4)), 5)
+    assert results == [(echo_tokens([3], 4), "length"), (echo_tokens([4], 4), "length")]
+    assert engine._free == 1 and not engine._waiting
+
+
+@pytest.mark.parametrize("step", [1, 3, 8])
+async def test_step_tokens_changes_pacing_not_tokens(step):
+    engine = EchoEngine({"tokens_per_s": 2000, "step_tokens": step})
+    await engine.start()
+    turns = 0
+
+    async def ticker() -> None:  # counts the loop's turns: it runs whenever the engine waits
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    tick = asyncio.create_task(ticker())
+    seen: list[int] = []  # the turn each token came in
+    tokens: list[int] = []
+    sizes: list[int] = []
+    try:
+        async for out in engine.generate("s", [9, 4], SamplingParams(max_tokens=17, logprobs=True)):
+            assert len(out.logprobs) == len(out.token_ids)
+            sizes.append(len(out.token_ids))
+            tokens += out.token_ids
+            seen += [turns] * len(out.token_ids)
+    finally:
+        tick.cancel()
+    assert tokens == echo_tokens([9, 4], 17)
+    assert sizes == [step] * (17 // step) + ([17 % step] if 17 % step else [])  # one output a step
+    # One wait per step: tokens of a step come without the loop turning in between.
+    assert len(set(seen)) == -(-17 // step)
+    assert all(seen[i] == seen[i - i % step] for i in range(17))
+
+
+async def test_an_abort_between_steps_ends_with_the_tokens_made_so_far():
+    engine = EchoEngine({"tokens_per_s": 200, "step_tokens": 4})
+    await engine.start()
+    outputs = []
+    async for out in engine.generate("x", [3], SamplingParams(max_tokens=40)):
+        outputs.append(out)
+        if len(outputs) == 2:
+            await engine.abort("x")
+    tokens = [t for out in outputs for t in out.token_ids]
+    assert [len(o.token_ids) for o in outputs] == [4, 4, 0]
+    assert outputs[-1].finish_reason == "abort" and all(o.finish_reason is None for o in outputs[:-1])
+    assert tokens == echo_tokens([3], 8)
