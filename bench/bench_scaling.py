@@ -149,6 +149,28 @@ async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untype
     return n / (time.perf_counter() - t0), lat
 
 
+async def metered_flood(sup: Supervisor, client, into: dict, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
+                        params: SamplingParams = PARAMS) -> None:
+    """One flood with the CPU meter running; its rate, latencies and CPU go into ``into``."""
+    meter = CpuMeter(sup)
+    meter.start()
+    rps, lat = await flood(client, n, window, tag, params)
+    into["cpu"].append(meter.stop())
+    into["rps"].append(rps)
+    into["lat"] += lat
+
+
+def totals(f: dict, cores: int) -> None:
+    """A fleet size's floods, summed up in place: calls, CPU seconds and cores, median rate,
+    latency percentiles, bottleneck."""
+    f["num_calls"] = len(f["lat"])
+    f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
+    f["cpu"] = cores_used(f["cpu"])
+    f["rps"] = statistics.median(f["rps"])
+    f["lat"] = summarize(f["lat"])
+    f["bottleneck"] = bottleneck(f["cpu"], cores)
+
+
 async def fleets_in_turns(sizes: dict, cores: int) -> dict:
     """Every fleet size started at once (an idle echo worker is ~30 MB and a heartbeat), then
     measured in turns, round after round, so that other work on a shared machine hits every
@@ -173,19 +195,10 @@ async def fleets_in_turns(sizes: dict, cores: int) -> dict:
                     out[n]["seq"].append((time.perf_counter_ns() - t) / 1e3)
         for r in range(ROUNDS):
             for n, client in clients.items():
-                meter = CpuMeter(sups[n])
-                meter.start()
-                rps, lat = await flood(client, sizes["tput"] // ROUNDS, sizes["window"], f"f{n}-{r}")
-                out[n]["cpu"].append(meter.stop())
-                out[n]["rps"].append(rps)
-                out[n]["lat"] += lat
+                await metered_flood(sups[n], client, out[n], sizes["tput"] // ROUNDS, sizes["window"], f"f{n}-{r}")
     for n, f in out.items():
-        f["num_calls"] = len(f["lat"])
-        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
-        f["cpu"] = cores_used(f["cpu"])
-        f["rps"] = statistics.median(f["rps"])
-        f["lat"], f["seq"] = summarize(f["lat"]), summarize(f["seq"])
-        f["bottleneck"] = bottleneck(f["cpu"], cores)
+        totals(f, cores)
+        f["seq"] = summarize(f["seq"])
         print(f"{n:>3} workers: {f['rps']:,.0f} req/s, p99 {f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} "
               f"cores, workers {f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}",
               flush=True)
@@ -225,20 +238,10 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
         for r in range(ROUNDS):
             for n, client in clients.items():
                 window = n * p["running"]
-                meter = CpuMeter(sups[n])
-                meter.start()
-                rps, lat = await flood(client, window * p["batches"], window, f"p{n}-{r}", params)
-                out[n]["cpu"].append(meter.stop())
-                out[n]["rps"].append(rps)
-                out[n]["lat"] += lat
+                await metered_flood(sups[n], client, out[n], window * p["batches"], window, f"p{n}-{r}", params)
     for n, f in out.items():
-        f["num_calls"] = len(f["lat"])
-        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
-        f["cpu"] = cores_used(f["cpu"])
-        f["rps"] = statistics.median(f["rps"])
-        f["lat"] = summarize(f["lat"])
+        totals(f, cores)
         f["capacity"] = paced_capacity(sizes, n)
-        f["bottleneck"] = bottleneck(f["cpu"], cores)
         if f["bottleneck"] == "none saturated" and f["rps"] >= ENGINES_SATURATED * f["capacity"]:
             f["bottleneck"] = "engines (their capacity)"
         print(f"{n:>3} paced workers: {f['rps']:,.0f} req/s of {f['capacity']:,.0f}, p99 {f['lat']['p99'] / 1e3:,.0f} ms, "
