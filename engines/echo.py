@@ -3,6 +3,8 @@
 Tokens are a deterministic function of the sequence so far (its last token and its
 length), so resuming with prompt + partial tokens continues exactly where an
 uninterrupted run would. ``tokens_per_s`` paces generation (0: as fast as possible).
+A weight update with a tensor named ``offset`` shifts every later token, so tests can
+see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
 
 Capacity, to stand in for a real engine in scaling runs:
 
@@ -12,8 +14,6 @@ Capacity, to stand in for a real engine in scaling runs:
 - ``step_tokens``: K -- a request makes its tokens K at a time, one output each K tokens, and
   when paced one wait each K (K / tokens_per_s apart), so that thousands of paced sequences
   cost the worker little CPU. Default 1.
-A weight update with a tensor named ``offset`` shifts every later token, so tests can
-see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
 
 Fault options, for reliability tests. The generate faults fire when a request's sequence
 (prompt + output) reaches a given length inside one generate call; a call whose prompt is
