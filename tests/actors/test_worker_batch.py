@@ -138,4 +138,4 @@ def test_new_tokens_of_running_requests_are_reported_together_once_per_interval(
     assert 1 <= len(merged) <= 4, [(round(t, 3), len(r)) for t, r in reports]
     assert max(len(r) for _, r in merged) == len(requests), [(round(t, 3), len(r)) for t, r in reports]
     gaps = [b[0] - a[0] for a, b in zip(merged, merged[1:])]
-    assert all(g > 0.1 for g in gaps), gaps  # not sooner than the configured interval (0.15 s)
+    assert all(g > 0.075 for g in gaps), gaps  # not much sooner than the configured interval (0.15 s)
