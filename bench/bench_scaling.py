@@ -33,11 +33,16 @@ Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_
 ``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
 ``supervisor_loop_cpu_{n}w`` (its event-loop thread, 1.0 = one core saturated),
 ``workers_cpu_{n}w``, ``machine_busy_{n}w`` (cores busy machine-wide),
-``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``;
-``gbps_{k}w`` (model bytes per second of update), ``update_s_{k}w``,
-``weights_supervisor_cpu_{k}w``, ``memcpy_gbps`` (one copy of the same bytes, for scale),
-``rps_scaling_max`` (rps at the largest fleet / rps with one worker), ``gbps_scaling_max``,
-``bottleneck`` (at the largest fleet); engine-paced: ``paced_rps_{n}w``,
+``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``,
+``supervisor_us_per_req_{n}w``, ``loop_us_per_req_{n}w``, ``workers_us_per_req_{n}w`` (CPU per
+request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
+``start_s_{n}w`` (fleet start-up); ``gbps_{k}w`` (model bytes per second of update),
+``update_s_{k}w``, ``weights_supervisor_cpu_{k}w``, ``weights_workers_cpu_{k}w``,
+``memcpy_gbps`` (one copy of the same bytes, for scale), ``rps_scaling_max`` (rps at the
+largest fleet / rps with one worker), ``p99_scaling_max``, ``gbps_scaling_max``,
+``supervisor_loop_cpu_max`` (the busiest flood's loop), ``bottleneck`` (at the largest fleet),
+``max_workers``, ``max_receivers``; the run: ``window``, ``num_tput_calls``, ``weights_mb``,
+``bucket_mb``, ``quick``, ``elapsed_s``; engine-paced: ``paced_rps_{n}w``,
 ``paced_capacity_rps_{n}w``, ``paced_vs_capacity_{n}w``, ``paced_p50_ms_{n}w``, ``paced_p99_ms_{n}w``,
 ``paced_loop_cpu_{n}w``, ``paced_workers_cpu_{n}w``, ``paced_machine_busy_{n}w``,
 ``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_rps_scaling_max``,
