@@ -32,6 +32,20 @@ fleet's cost is per token (one message per request per step), so a real model, w
 cost far more, shows a smaller overhead. Measure one with ``--model``.
 
 vLLM's own INFO logs are turned down to WARNING (``VLLM_LOGGING_LEVEL``) unless set.
+
+Keys: per engine measured (``--engines``), so ``torch_...`` and ``vllm_...``: ``torch_direct_tps``,
+``torch_fleet_tps``, ``vllm_direct_tps``, ``vllm_fleet_tps`` (tokens/s: tokens returned in a round /
+its wall time, the median over ``rounds``), ``torch_fleet_vs_direct``, ``vllm_fleet_vs_direct``
+(fleet tokens/s / direct tokens/s), ``torch_direct_latency_p50_s``, ``torch_fleet_latency_p50_s``,
+``vllm_direct_latency_p50_s``, ``vllm_fleet_latency_p50_s`` (median seconds from a request's
+submission to its last token, all requests of all measured rounds), ``torch_tokens_match``,
+``vllm_tokens_match`` (the first measured round's tokens are the same on both paths),
+``torch_start_s``, ``vllm_start_s`` (seconds to start the direct engine and the fleet, together);
+``goal_vllm_overhead_met`` (with vLLM only: ``vllm_fleet_vs_direct`` >= 0.95). The run: ``quick``,
+``num_requests`` (per round), ``max_tokens``, ``rounds``, ``model`` (the ``--model`` folder's name,
+or ``tiny-random-llama``), ``iomp_preloaded`` (whether this run re-executed with libiomp5 in
+``LD_PRELOAD``), ``vllm_omp_threads_bind`` (``VLLM_CPU_OMP_THREADS_BIND`` as both paths saw it; "0"
+unless set, written with or without vLLM).
 """
 
 from __future__ import annotations

@@ -41,6 +41,42 @@ The default engine is ``torch`` (the tiny random Llama, real forward passes on t
 
 ``--sequential`` runs both on one fleet instead, in turns (resume, restart, restart,
 resume, ...; ``--rounds`` windows each), for a machine that cannot hold two fleets (one GPU).
+
+Keys: per strategy, totals over all ``rounds`` windows ("window": the measured seconds, ramp
+excluded): ``resume_tps``, ``restart_tps`` (useful tokens/s: tokens of requests completed inside the
+windows / the windows' seconds), ``generated_tps_resume``, ``generated_tps_restart`` (engine tokens
+inside the windows / their seconds), ``engine_cpu_share_resume``, ``engine_cpu_share_restart`` (CPU
+seconds of the worker processes inside the windows / their seconds: cores' worth),
+``useful_per_cpu_s_resume``, ``useful_per_cpu_s_restart`` (window useful tokens per engine CPU
+second; left out when no CPU time was read), ``useful_tokens_resume``, ``useful_tokens_restart``
+(tokens of every request completed from the lanes' start to the end, ramp included),
+``generated_tokens_resume``, ``generated_tokens_restart`` (engine tokens from the lanes' start until
+every lane stopped), ``wasted_tokens_resume``, ``wasted_tokens_restart`` (generated minus useful
+minus tail), ``wasted_tokens_resume_client``, ``wasted_tokens_restart_client`` (partial tokens of
+requests an update ended, as the client saw them), ``wasted_per_update_resume``,
+``wasted_per_update_restart`` (wasted / updates), ``wasted_fraction_resume``,
+``wasted_fraction_restart`` (wasted / generated), ``tail_tokens_resume``, ``tail_tokens_restart``
+(tokens of the requests the bench aborted when the window closed), ``completed_resume``,
+``completed_restart`` (requests completed, counted as useful tokens are),
+``completed_mean_tokens_resume``, ``completed_mean_tokens_restart`` (useful tokens per completed
+request; left out when none completed), ``restarts_resume``, ``restarts_restart`` (requests ended by
+an update and submitted again), ``wrong_length_resume``, ``wrong_length_restart``,
+``preemptions_resume``, ``preemptions_restart`` (interruptions the completed requests resumed from),
+``engine_requests_resume``, ``engine_requests_restart`` (requests the engines started, fresh or
+resumed), ``updates_resume``, ``updates_restart`` (``update_weights`` calls),
+``pauses_measured_resume``, ``pauses_measured_restart`` (updates whose first new-version token was
+seen), ``update_pause_ms_resume``, ``update_pause_ms_restart`` (median pause, ms),
+``update_pause_max_ms_resume``, ``update_pause_max_ms_restart`` (the longest),
+``update_call_ms_resume``, ``update_call_ms_restart`` (median duration of the ``update_weights``
+call, ms), ``window_s_resume``, ``window_s_restart`` (measured seconds); the pause keys are left out
+when no pause was measured, the call key when no update ran. Summary: ``update_pause_ms`` (a copy of
+``update_pause_ms_resume``), ``resume_vs_restart_tps`` (``resume_tps`` / ``restart_tps``; left out
+when that is 0), ``resume_vs_restart_per_cpu`` (``useful_per_cpu_s_resume`` /
+``useful_per_cpu_s_restart``; only when both are non-zero). The run: ``quick``, ``engine``,
+``workers``, ``inflight``, ``max_tokens``, ``spread``, ``prompt_len``, ``duration_s``,
+``update_every_s``, ``rounds``, ``side_by_side`` (false with ``--sequential``), ``start_s`` (fleet
+start-up, s; side by side, both fleets start together), ``load_1m_end`` (the 1-minute load average
+at the end), ``elapsed_s``.
 """
 
 from __future__ import annotations
@@ -393,8 +429,8 @@ def report(m: dict[str, Any]) -> None:
                   m.get(f"update_pause_ms_{s}"), m.get(f"update_pause_max_ms_{s}"), m.get(f"update_call_ms_{s}"))
                  for s in STRATEGIES])
     ratio, per_cpu = m.get("resume_vs_restart_tps"), m.get("resume_vs_restart_per_cpu")
-    print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio else "\nrestart completed nothing", end="")
-    print(f"; per engine CPU second: {per_cpu:.2f}x" if per_cpu else "")
+    print(f"\nresume / restart useful tokens/s: {ratio:.2f}x" if ratio is not None else "\nrestart completed nothing", end="")
+    print(f"; per engine CPU second: {per_cpu:.2f}x" if per_cpu is not None else "")
     print("engine CPU: cores' worth the engine processes got; pause: from the update_weights call to the "
           "first token of the new version at a client; mean tokens: per completed request")
     for s in STRATEGIES:

@@ -25,6 +25,25 @@ wake-up latency alone moves the raw round trip between ~45 and ~130 us.
 
 Goals (from the issue): fleet p50 within 1.5x of raw, fleet throughput at least half of raw
 pipelined, and at least 10x Ray's sequential actor calls.
+
+Keys: latencies are in microseconds over ``num_rtt_calls`` calls made one at a time per path; each
+``..._seq_rps`` is 1e6 / the mean of those latencies (not a separately timed run):
+``raw_rtt_p50_us``, ``raw_rtt_p99_us``, ``raw_seq_rps`` (blocking floor), ``raw_async_rtt_p50_us``,
+``raw_async_rtt_p99_us``, ``raw_async_seq_rps`` (uvloop + LoopSocket), ``fleet_rtt_p50_us``,
+``fleet_rtt_p99_us``, ``fleet_seq_rps`` (1 worker; no suffix), ``fleet_rtt_p50_us_4w``,
+``fleet_rtt_p99_us_4w``, ``fleet_seq_rps_4w``, ``remote_rtt_p50_us``, ``remote_rtt_p99_us``,
+``remote_seq_rps`` (RemoteClient, 1 worker). Requests/s with ``window`` in flight, the median of 3
+floods: ``raw_pipelined_rps``, ``raw_async_pipelined_rps``, ``fleet_rps_1w``, ``fleet_rps_4w``,
+``fleet_rps_best`` (the larger of the two fleet figures); ``fleet_start_s_1w``, ``fleet_start_s_4w``
+(Supervisor start-up, s). Ratios: ``fleet_vs_raw_p50`` (``fleet_rtt_p50_us`` / ``raw_rtt_p50_us``),
+``fleet_vs_raw_rps`` (``fleet_rps_best`` / ``raw_pipelined_rps``), ``fleet_vs_raw_async_p50``,
+``fleet_vs_raw_async_rps`` (the same over the uvloop path's figures); goals: ``goal_p50_met``
+(``fleet_vs_raw_p50`` <= 1.5), ``goal_rps_met`` (``fleet_vs_raw_rps`` >= 0.5). Ray: ``ray_measured``
+(always written), then only when it is true: ``ray_sync_rps`` (calls / wall time of the sequential
+loop), ``ray_sync_p50_us``, ``ray_sync_p99_us``, ``fleet_vs_ray_rps`` (``fleet_rps_best`` /
+``ray_sync_rps``), ``goal_ray_met`` (``fleet_vs_ray_rps`` >= 10). The run: ``quick``, ``window``,
+``prompt_len``, ``num_rtt_calls`` (per path), ``num_tput_calls`` (per path, split over the 3
+floods), ``elapsed_s``.
 """
 
 from __future__ import annotations

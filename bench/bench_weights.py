@@ -30,6 +30,23 @@ times; the best is reported.
 
     python bench/bench_weights.py --quick --json out.json
     python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --json w.json
+
+Keys: every ``..._gbps`` is 10^9 bytes per second, end to end, the best of a row's timed updates
+(``--reps``, 2 with ``--quick``; cuda_ipc rows: at least 20). Per bucket size, ``{mb}`` in MiB:
+``shm_gbps_{mb}mb``, ``shm_buffered_gbps_{mb}mb`` (every bucket size),
+``shm_as_allocated_gbps_{mb}mb`` (the largest size only), ``gloo_gbps_{mb}mb`` (every size;
+``--quick``: the first only), ``shm_keep_last_gbps_{mb}mb`` (only at the size where ``shm`` was
+fastest), and with a GPU ``cuda_ipc_gbps_{mb}mb``, ``cuda_ipc_buffered_gbps_{mb}mb``. The best over
+bucket sizes of each row: ``shm_gbps``, ``shm_as_allocated_gbps``, ``shm_buffered_gbps``,
+``shm_keep_last_gbps``, ``gloo_gbps``, ``cuda_ipc_gbps``, ``cuda_ipc_buffered_gbps``. Baselines:
+``memcpy_gbps`` (the best of every CPU copy timed in the run: one before each timed fleet update,
+and a last set after the fleet rows), ``d2d_gbps`` (GPU only: the best of three sets, before,
+between and after the two cuda_ipc rows). Ratios: ``shm_vs_memcpy``, ``shm_as_allocated_vs_memcpy``,
+``shm_buffered_vs_memcpy`` (the row's best / ``memcpy_gbps``), ``cuda_ipc_vs_d2d``,
+``cuda_ipc_buffered_vs_d2d`` (the row's best / ``d2d_gbps``). The run: ``bytes`` (bytes of one CPU
+update: the Llama checkpoint's tensors, or made-up ones when no fleet row ran), ``num_tensors``
+(tensors in it), ``bytes_cuda`` (bytes of one cuda_ipc update, GPU only), ``buckets_mb`` (the bucket
+sizes, a comma-separated string), ``quick``.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -172,6 +190,7 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
         reader.close()
         sock.close(linger=0)
         ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)  # the socket file's folder
 
 
 def copy_gbps(weights, device: str, reps: int, threads: int | None = None) -> float:
@@ -274,9 +293,10 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
             for key in options:
                 sup.config.weights.pop(key)
         # The supervisor's own copy of each update, kept for restarted workers (on by default).
-        best_bucket = max(curves["shm"], key=curves["shm"].get)
-        sup.weights.keep_last_weights = True
-        curves["shm_keep_last"] = {best_bucket: max([await timed("shm", best_bucket) for _ in range(reps)])}
+        if curves["shm"]:  # (not when only gloo was asked for)
+            best_bucket = max(curves["shm"], key=curves["shm"].get)
+            sup.weights.keep_last_weights = True
+            curves["shm_keep_last"] = {best_bucket: max([await timed("shm", best_bucket) for _ in range(reps)])}
     return curves
 
 
