@@ -96,8 +96,10 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
     for n in ns:
         head = row.headline and n == ns[-1] and n != 1
         label = re.sub(r"\b1 (worker|receiver)s\b", r"1 \1", row.label.format(n=n))
-        rows.append((Row(label=label, key=row.key.format(n=n), baseline=row.baseline and row.baseline.format(n=n),
-                         against=row.against, ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu, missing=row.missing, headline=head), head))
+        rows.append((Row(label=label, key=row.key.format(n=n),
+                         baseline=row.baseline and row.baseline.format(n=n), against=row.against,
+                         ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu,
+                         missing=row.missing, headline=head), head))
     return rows
 
 
@@ -172,7 +174,8 @@ def bottleneck_text(m: dict[str, Any]) -> str:
         f"{cores} cores."]
     if all(x is not None for x in loop_us + work_us):
         text.append(
-            f"Per request, the loop spent {loop_us[0]:.0f} us of CPU with 1 worker and {loop_us[-1]:.0f} us with "
+            f"Per request, the loop spent {loop_us[0]:.0f} us of CPU with {ns[0]} worker{'s' if ns[0] > 1 else ''} "
+            f"and {loop_us[-1]:.0f} us with "
             f"{top} (so on a core of its own it could carry about {fmt('_rps', m[f'loop_ceiling_rps_{top}w'])}); "
             f"the workers together spent {work_us[0]:.0f} us and {work_us[-1]:.0f} us.")
     if where == "supervisor event loop":
@@ -196,7 +199,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
         text.append(
             f"Paced like real engines ({m['paced_running']} requests at once per worker, "
             f"{m['paced_tokens_per_s']:g} tokens/s each, {m['paced_tokens']} tokens a request: "
-            f"{fmt('_rps', m['paced_capacity_rps_1w'])} per worker), the fleet delivered {share} of the engines' "
+            f"{fmt('_rps', m[f'paced_capacity_rps_{p}w'] / p)} per worker), the fleet delivered {share} of the engines' "
             f"capacity with {', '.join(map(str, ps))} workers ({fmt('_rps', m[f'paced_rps_{p}w'])} at {p}). "
             f"There the loop was busy {m[f'paced_loop_cpu_{p}w']:.2f} of a core ({m[f'paced_loop_us_per_req_{p}w']:.0f} us "
             f"per request, its progress reports included), so one loop could feed about "
