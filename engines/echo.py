@@ -234,6 +234,7 @@ class EchoEngine(Engine):
         return {
             "num_running": len(self._running) - len(self._waiting),
             "num_waiting": len(self._waiting),
+            "free_slots": self._free if self.max_running else None,
             "num_tokens": self.num_tokens,
             "num_requests": self.num_requests,
             "paused": not self._resumed.is_set(),

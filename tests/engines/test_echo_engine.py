@@ -78,7 +78,7 @@ async def test_a_cancelled_waiter_gives_back_any_slot_it_was_granted():
     # The slot came back: two more requests run one after the other, none hangs.
     results = await asyncio.wait_for(asyncio.gather(collect(engine, "c", [3], 4), collect(engine, "d", [4], 4)), 5)
     assert results == [(echo_tokens([3], 4), "length"), (echo_tokens([4], 4), "length")]
-    assert engine._free == 1 and not engine._waiting
+    assert engine.stats()["free_slots"] == 1 and engine.stats()["num_waiting"] == 0
 
 
 @pytest.mark.parametrize("step", [1, 3, 8])

@@ -150,3 +150,26 @@ async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_ve
         for i in range(4):
             r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
             assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+
+
+async def test_requests_queued_in_a_full_engine_resume_too_when_weights_change():
+    # One worker that runs 2 requests at once (echo's max_running): at the update, 2 run and 4
+    # wait inside the engine. All 6 are interrupted; the running ones keep their partial output,
+    # the waiting ones have none and start under the new version.
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={
+            "tokens_per_s": 200, "max_running": 2, "step_tokens": 4})) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=40)  # 0.2 s each: three waves of two
+        tasks = [asyncio.create_task(client.generate(f"q{i}", [i + 1], params)) for i in range(6)]
+        await asyncio.sleep(0.1)
+        assert (await client.update_weights(offset(0), version=1)).ok
+        results = [await t for t in tasks]
+        for i, r in enumerate(results):
+            assert r.token_ids == expected_tokens([i + 1], 40) and r.finish_reason == "length"
+            assert r.weight_versions in ([0, 1], [1]) and r.num_preemptions == 1, (i, r)
+        started = [r for r in results if r.weight_versions == [0, 1]]
+        assert 1 <= len(started) <= 2 and any(r.weight_versions == [1] for r in results)
+        assert len(sup.table) == 0
+        engine = (await sup.stats())["workers"][0]["engine_stats"]
+        assert engine["num_running"] == 0 and engine["num_waiting"] == 0
+        assert engine["free_slots"] == 2  # no slot kept by an aborted request
