@@ -4,12 +4,13 @@ outlive them when they are killed (actors/process.py). Real processes, real /dev
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from rollfleet.actors.process import is_resource_tracker, kill_tree, record_shm, shm_names_now, sweep_shm_lists
+
+from ..helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
@@ -34,15 +35,6 @@ def start_child(*args: str) -> tuple[subprocess.Popen, str, str]:
                              text=True)
     seg, sem = child.stdout.readline().split()
     return child, seg, sem
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_names_listed_by_a_killed_engine_process_are_unlinked_by_the_sweep(tmp_path):

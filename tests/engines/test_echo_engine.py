@@ -10,6 +10,8 @@ import pytest
 from rollfleet.engines.echo import EchoEngine, echo_tokens
 from rollfleet.transport.messages import SamplingParams
 
+from ..helpers import wait_for
+
 
 async def collect(engine: EchoEngine, request_id: str, prompt: list[int], max_tokens: int,
                   started: list[str] | None = None) -> tuple[list[int], str]:
@@ -21,13 +23,6 @@ async def collect(engine: EchoEngine, request_id: str, prompt: list[int], max_to
         tokens += out.token_ids
         finish = out.finish_reason or finish
     return tokens, finish
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
 
 
 async def test_max_running_bounds_concurrency_and_serves_in_arrival_order():
@@ -52,10 +47,10 @@ async def test_abort_ends_a_waiting_request_at_once_and_leaves_the_others_whole(
     engine = EchoEngine({"max_running": 1, "tokens_per_s": 100})
     await engine.start()
     first = asyncio.create_task(collect(engine, "a", [5], 20))
-    await wait_for(lambda: engine.stats()["num_running"] == 1)
+    assert await wait_for(lambda: engine.stats()["num_running"] == 1)
     waiting = asyncio.create_task(collect(engine, "b", [6], 20))
     third = asyncio.create_task(collect(engine, "c", [7], 3))
-    await wait_for(lambda: engine.stats()["num_waiting"] == 2)
+    assert await wait_for(lambda: engine.stats()["num_waiting"] == 2)
     await engine.abort("b")
     # Ends while "a" still holds the only slot (20 tokens at 100/s: 0.2 s).
     assert await asyncio.wait_for(waiting, 0.15) == ([], "abort")
@@ -67,10 +62,10 @@ async def test_abort_ends_a_waiting_request_at_once_and_leaves_the_others_whole(
 async def test_a_cancelled_waiter_gives_back_any_slot_it_was_granted():
     engine = EchoEngine({"max_running": 1, "tokens_per_s": 1000})
     await engine.start()
-    holder = asyncio.create_task(collect(engine, "a", [1], 5))
-    await wait_for(lambda: engine.stats()["num_running"] == 1)
+    holder = asyncio.create_task(collect(engine, "a", [1], 200))  # 0.2 s: still running while b waits
+    assert await wait_for(lambda: engine.stats()["num_running"] == 1)
     gone = asyncio.create_task(collect(engine, "b", [2], 5))
-    await wait_for(lambda: engine.stats()["num_waiting"] == 1)
+    assert await wait_for(lambda: engine.stats()["num_waiting"] == 1)
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gone

@@ -25,6 +25,8 @@ from rollfleet.errors import DuplicateRequest, RequestTimeout, WorkerLost, Worke
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, SamplingParams
 
+from ..helpers import wait_for
+
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
@@ -34,15 +36,6 @@ expected_tokens = echo_tokens  # the other echo test modules import it from here
 def fleet(num_workers=2, **kw):
     options = kw.pop("engine_options", {})
     return Supervisor(FleetConfig(engine="echo", num_workers=num_workers, engine_options=options, **kw))
-
-
-async def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await pred() if asyncio.iscoroutinefunction(pred) else pred():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 async def test_spawn_register_shutdown_leaves_no_process_or_socket_file():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 
@@ -11,6 +10,8 @@ import psutil
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.weights.shm import SHM_DIR
+
+from ..helpers import wait_for
 
 __all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids"]
 
@@ -21,15 +22,6 @@ def fleet(num_workers=2, **kw):
 
 
 expected_tokens = echo_tokens
-
-
-async def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 def worker_pids(sup):

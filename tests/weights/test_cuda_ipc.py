@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from test_processes import wait_line
+from .test_processes import wait_line
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -9,6 +9,8 @@ import pytest
 
 from rollfleet.weights import shm
 
+from ..helpers import wait_until
+
 
 def wait_line(proc, prefix, timeout=60.0):
     deadline = time.monotonic() + timeout
@@ -19,15 +21,6 @@ def wait_line(proc, prefix, timeout=60.0):
         if not line and proc.poll() is not None:
             raise AssertionError(f"process exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
     raise AssertionError(f"no {prefix!r} line in {timeout}s")
-
-
-def wait_until(check, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 @pytest.fixture
