@@ -46,7 +46,11 @@ between and after the two cuda_ipc rows). Ratios: ``shm_vs_memcpy``, ``shm_as_al
 ``cuda_ipc_buffered_vs_d2d`` (the row's best / ``d2d_gbps``). The run: ``bytes`` (bytes of one CPU
 update: the Llama checkpoint's tensors, or made-up ones when no fleet row ran), ``num_tensors``
 (tensors in it), ``bytes_cuda`` (bytes of one cuda_ipc update, GPU only), ``buckets_mb`` (the bucket
-sizes, a comma-separated string), ``quick``.
+sizes, a comma-separated string), ``reps`` (timed updates per CPU row and bucket size),
+``cuda_reps`` (the same for the cuda_ipc rows and the d2d baseline, GPU only), ``quick``.
+
+``--quick`` changes the defaults only (400 MiB of weights, buckets of 64 and 256 MiB, gloo at
+the first bucket size only): ``--total-gb``, ``--buckets-mb`` and ``--reps`` given with it stand.
 """
 
 from __future__ import annotations
@@ -302,9 +306,12 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
 
 def main() -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--total-gb", type=float, default=1.0, help="bytes of weights per update (1-4)")
-    p.add_argument("--buckets-mb", default="64,128,256,512,1024")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--total-gb", type=float, default=None,
+                   help="bytes of weights per CPU update, 1-4 (default 1; with --quick 0.39, i.e. 400 MiB)")
+    p.add_argument("--buckets-mb", default=None,
+                   help="comma-separated bucket sizes in MiB (default 64,128,256,512,1024; with --quick 64,256)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed updates per row and bucket size, the best counts (default 2; cuda_ipc rows: at least 20)")
     p.add_argument("--cuda-total-gb", type=float, default=4.0,
                    help="bytes of weights per cuda_ipc update, also with --quick (on the GPU, twice: sender and engine)")
     p.add_argument("--transports", default="shm,gloo,cuda_ipc",
@@ -315,11 +322,11 @@ def main() -> None:
     if args.worker:
         worker(args.worker, "w0", args.device)
         return
-    total = int(args.total_gb * (1 << 30))
-    buckets = [int(b) * MB for b in args.buckets_mb.split(",")]
-    reps = args.reps
-    if args.quick:
-        total, buckets, reps = 400 * MB, [64 * MB, 256 * MB], 2
+    # --quick changes the defaults only: what is given on the command line stands.
+    total = int(args.total_gb * (1 << 30)) if args.total_gb is not None else (400 * MB if args.quick else 1 << 30)
+    buckets_mb = args.buckets_mb or ("64,256" if args.quick else "64,128,256,512,1024")
+    buckets = [int(b) * MB for b in buckets_mb.split(",")]
+    reps = args.reps if args.reps is not None else 2
     wanted = set(args.transports.split(","))
     result: dict = {"quick": bool(args.quick), **machine_info()}
     curves: dict[str, dict[int, float]] = {}
@@ -336,12 +343,14 @@ def main() -> None:
         weights = make_weights(total, "cpu")
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     baseline.append(memcpy_gbps(weights, reps))
-    result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets))
+    result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets),
+                  reps=reps)
     result["memcpy_gbps"] = max(baseline)
     if "cuda_ipc" in wanted and torch.cuda.is_available():
         gpu_weights = make_weights(int(args.cuda_total_gb * (1 << 30)), "cuda")
         gpu_reps = max(reps, 20)  # an update takes milliseconds here: best of many
         result["bytes_cuda"] = sum(t.numel() * t.element_size() for _, t in gpu_weights)
+        result["cuda_reps"] = gpu_reps
         result["d2d_gbps"] = copy_gbps(gpu_weights, "cuda", gpu_reps)
         curves["cuda_ipc"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps))
         result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", gpu_reps))
@@ -361,7 +370,8 @@ def main() -> None:
         result["cuda_ipc_vs_d2d"] = result["cuda_ipc_gbps"] / result["d2d_gbps"]
         result["cuda_ipc_buffered_vs_d2d"] = result["cuda_ipc_buffered_gbps"] / result["d2d_gbps"]
 
-    print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; GB/s end to end, best of {reps}")
+    print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; GB/s end to end, best of {reps}"
+          + (f" (cuda_ipc rows: best of {result['cuda_reps']})" if "cuda_reps" in result else ""))
     rows = [[name] + [curve.get(b) for b in buckets] for name, curve in curves.items()]
     print_table(["transport"] + [f"{b // MB} MB" for b in buckets], rows)
     print(f"memcpy {result['memcpy_gbps']:.2f} GB/s", end="")
