@@ -20,6 +20,13 @@ Engine-paced: the same fleet sizes with each echo worker standing in for a real 
 The engines are then the limit by construction; what counts is whether the fleet delivers
 their capacity as workers are added (``paced_vs_capacity``), and what that costs the loop.
 
+Ranks: the fleet size whose loop was busiest (``--ranks-workers`` to choose) run again as K ranks
+of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2): K processes, each with a supervisor of
+its own over workers / K of the workers and its own in-process flood of window / K in flight,
+as examples/torchrun_rl.py runs a fleet per rank. Same workers and requests in flight in all;
+the supervisor's work is spread over K loops. Requests/s is every rank's calls over the time
+until the last rank finished.
+
 Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
 the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off so that the
@@ -48,14 +55,20 @@ largest fleet / rps with one worker), ``p99_scaling_max``, ``gbps_scaling_max``,
 ``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
-``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``.
+``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``; ranks:
+``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
+calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
+``ranks_bottleneck_{k}r``, ``ranks_max`` (the most ranks run), ``ranks_rps_scaling_max``
+(requests/s with the most ranks / with the fewest), ``ranks_bottleneck`` (with the most).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import statistics
@@ -255,6 +268,102 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
     return out
 
 
+async def rank_main(workers: int, window: int) -> None:
+    """One rank of a job that runs a fleet per rank (``--rank-worker``, started by ranks_in_turns):
+    its own supervisor, no-model echo workers and in-process client. Says ``{"ready": ...}`` on
+    stdout once warm; then for each ``go N`` line on stdin floods N calls and answers with one
+    JSON line (rate, latencies, CPU seconds); ends on ``exit`` or end of input."""
+    config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
+                         frontend_addr=None, start_timeout_s=300)
+    loop = asyncio.get_running_loop()
+    async with Supervisor(config) as sup:
+        client = sup.client()
+        await flood(client, 1000, window, "warm")
+        print(json.dumps({"ready": workers}), flush=True)
+        for turn in itertools.count():
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+            if len(line) != 2 or line[0] != "go":
+                return
+            f: dict = {"rps": [], "lat": [], "cpu": []}
+            await metered_flood(sup, client, f, int(line[1]), window, f"t{turn}")
+            print(json.dumps({"rps": f["rps"][0], "cpu": f["cpu"][0], "lat": [round(x, 1) for x in f["lat"]]}),
+                  flush=True)
+
+
+async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
+    """``workers`` no-model echo workers as K ranks of a job (K in ``sizes["ranks"]``), each rank a
+    process with a fleet of its own of workers / K and its own flood of window / K in flight, as
+    in examples/torchrun_rl.py: the requests in flight and the workers in all stay the same, the
+    supervisor's work is spread over K loops. The layouts run in turns like the fleet sizes."""
+    out: dict[int, dict] = {}
+    procs: dict[int, list] = {}
+    try:
+        for k in sizes["ranks"]:
+            procs[k] = [await asyncio.create_subprocess_exec(
+                sys.executable, os.path.abspath(__file__), "--rank-worker", str(workers // k),
+                "--window", str(max(1, sizes["window"] // k)),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26) for _ in range(k)]
+            out[k] = {"rps": [], "lat": [], "cpu": []}
+        for ps in procs.values():
+            for proc in ps:
+                line = await asyncio.wait_for(proc.stdout.readline(), 300)
+                if not line.startswith(b"{"):
+                    raise RuntimeError(f"a rank process did not start (exit {await proc.wait()})")
+        for r in range(ROUNDS):
+            for k, ps in procs.items():
+                calls = sizes["tput"] // ROUNDS // k
+                machine = psutil.cpu_times()
+                t = time.perf_counter()
+                for proc in ps:
+                    proc.stdin.write(f"go {calls}\n".encode())
+                answers = [json.loads(await proc.stdout.readline()) for proc in ps]
+                wall = time.perf_counter() - t
+                m1 = psutil.cpu_times()
+                busy = (sum(m1) - m1.idle - getattr(m1, "iowait", 0.0)) - (
+                    sum(machine) - machine.idle - getattr(machine, "iowait", 0.0))
+                f = out[k]
+                f["rps"].append(calls * k / wall)
+                f["lat"] += [x for a in answers for x in a["lat"]]
+                f["cpu"].append({"wall": wall, "machine": busy,
+                                 # the busiest rank's loop, as a share of its own flood's time
+                                 "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
+                                 "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
+                                 "workers": sum(a["cpu"]["workers"] for a in answers)})
+    finally:
+        for ps in procs.values():
+            for proc in ps:
+                if proc.returncode is None:
+                    with contextlib.suppress(OSError):
+                        proc.stdin.write(b"exit\n")
+                        proc.stdin.close()
+        for ps in procs.values():
+            for proc in ps:
+                try:
+                    await asyncio.wait_for(proc.wait(), 60)
+                except asyncio.TimeoutError:
+                    proc.kill()  # its workers die with it (they watch their parent)
+                    await proc.wait()
+    for k, f in out.items():
+        f["num_calls"] = len(f["lat"])
+        f["cpu"] = cores_used(f["cpu"])
+        f["rps"] = statistics.median(f["rps"])
+        f["lat"] = summarize(f["lat"])
+        f["bottleneck"] = bottleneck(f["cpu"], cores)
+        print(f"{workers:>3} workers as {k} rank{'s' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
+              f"{f['lat']['p99']:,.0f} us, busiest loop {f['cpu']['loop']:.2f} cores, machine "
+              f"{f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+    return out
+
+
+def ranks_workers(sizes: dict, fleets: dict) -> int:
+    """The fleet size to spread over ranks: the one whose loop was busiest (at least 2 workers,
+    the most ranks asked for at most), unless ``--ranks-workers`` names one."""
+    if sizes.get("ranks_workers"):
+        return sizes["ranks_workers"]
+    split = [n for n in fleets if n >= 2] or [2]
+    return max(split, key=lambda n: fleets[n]["cpu"]["loop"] if n in fleets else 0.0)
+
+
 def make_weights(total: int) -> list[tuple[str, torch.Tensor]]:
     size = min(32 * MB, max(MB, total // 8))
     return [(f"layer.{i}.weight", torch.full((size // 2,), float(i), dtype=torch.bfloat16))
@@ -307,13 +416,18 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     return out, memcpy
 
 
-async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, float]:
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, float]:
     fleets = await fleets_in_turns(sizes, cores)
+    ranks: dict = {}
+    if sizes["ranks"]:
+        workers = ranks_workers(sizes, fleets)
+        sizes["ranks"] = [k for k in sizes["ranks"] if k <= workers]
+        ranks = {"workers": workers, "by_ranks": await ranks_in_turns(sizes, cores, workers)}
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
     if not sizes["receivers"]:
-        return fleets, paced, {}, 0.0
+        return fleets, ranks, paced, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
-    return fleets, paced, updates, memcpy
+    return fleets, ranks, paced, updates, memcpy
 
 
 def run_loop(coro):  # type: ignore[no-untyped-def]
@@ -324,7 +438,7 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def metrics(sizes: dict, fleets: dict, paced: dict, updates: dict, memcpy: float) -> dict:
+def metrics(sizes: dict, fleets: dict, ranks: dict, paced: dict, updates: dict, memcpy: float) -> dict:
     m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
                "bucket_mb": sizes["bucket_mb"]}
     for n, f in fleets.items():
@@ -343,6 +457,16 @@ def metrics(sizes: dict, fleets: dict, paced: dict, updates: dict, memcpy: float
         m[f"workers_us_per_req_{n}w"] = f["cpu_s"]["workers"] / f["num_calls"] * 1e6
         # What the event loop alone could sustain if it had a core to itself.
         m[f"loop_ceiling_rps_{n}w"] = f["num_calls"] / max(f["cpu_s"]["loop"], 1e-9)
+    if ranks:
+        by = ranks["by_ranks"]
+        m["ranks_workers"] = ranks["workers"]
+        for k, f in by.items():
+            m[f"ranks_rps_{k}r"], m[f"ranks_p99_us_{k}r"] = f["rps"], f["lat"]["p99"]
+            m[f"ranks_loop_cpu_max_{k}r"], m[f"ranks_machine_busy_{k}r"] = f["cpu"]["loop"], f["cpu"]["machine"]
+            m[f"ranks_bottleneck_{k}r"] = f["bottleneck"]
+        m["ranks_max"] = max(by)
+        m["ranks_rps_scaling_max"] = by[max(by)]["rps"] / by[min(by)]["rps"]
+        m["ranks_bottleneck"] = by[max(by)]["bottleneck"]
     for n, f in paced.items():
         m[f"paced_rps_{n}w"], m[f"paced_capacity_rps_{n}w"] = f["rps"], f["capacity"]
         m[f"paced_vs_capacity_{n}w"] = f["rps"] / f["capacity"]
@@ -379,7 +503,7 @@ def metrics(sizes: dict, fleets: dict, paced: dict, updates: dict, memcpy: float
     return m
 
 
-def plot(path: str, fleets: dict, paced: dict, updates: dict, memcpy: float, cores: int) -> bool:
+def plot(path: str, fleets: dict, ranks: dict, paced: dict, updates: dict, memcpy: float, cores: int) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -395,6 +519,12 @@ def plot(path: str, fleets: dict, paced: dict, updates: dict, memcpy: float, cor
     # What the event loop's CPU per request would allow it, on a core of its own.
     ax.plot(ns, [fleets[n]["num_calls"] / max(fleets[n]["cpu_s"]["loop"], 1e-9) for n in ns], linestyle="--",
             color="grey", label="supervisor loop ceiling")
+    if ranks:  # the same workers spread over K ranks, each with a fleet of its own
+        w, by = ranks["workers"], ranks["by_ranks"]
+        ax.scatter([w] * len(by), [f["rps"] for f in by.values()], marker="^", color="tab:green",
+                   label=f"{w} workers as K ranks", zorder=3)
+        for k, f in by.items():
+            ax.annotate(f"{k}r", (w, f["rps"]), textcoords="offset points", xytext=(5, 0), fontsize=7)
     ax.set_ylim(bottom=0)
     ax.set_title("echo fleet throughput")
     ax.set_ylabel("requests / s")
@@ -423,16 +553,20 @@ def plot(path: str, fleets: dict, paced: dict, updates: dict, memcpy: float, cor
         ax.grid(True, alpha=0.3)
     ax = axes[3]
     ks = sorted(updates)
-    ax.plot(ks, [updates[k]["gbps"] for k in ks], marker="o", label="update_weights")
-    ax.axhline(memcpy, color="grey", linestyle="--", label="memcpy")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("receiving workers")
-    ax.set_ylabel("GB/s (model bytes / update time)")
+    if ks:
+        ax.plot(ks, [updates[k]["gbps"] for k in ks], marker="o", label="update_weights")
+        ax.axhline(memcpy, color="grey", linestyle="--", label="memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("receiving workers")
+        ax.set_ylabel("GB/s (model bytes / update time)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    else:  # --receivers ""
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("weight transfer")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
     if paced:
         ax = axes[4]
         ps = sorted(paced)
@@ -475,7 +609,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paced-batches", type=int, default=None,
                         help="Engine-paced fleet: requests per round, in full batches of every worker "
                              "(default 3, --quick 2; 0 skips the engine-paced fleet).")
+    parser.add_argument("--ranks", default=None,
+                        help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "
+                             "(default 1,2,4, --quick 1,2; 0 skips).")
+    parser.add_argument("--ranks-workers", type=int, default=None,
+                        help="Workers in all for the ranks run (default: the fleet size whose loop was busiest).")
+    parser.add_argument("--rank-worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rank_worker:
+        run_loop(rank_main(args.rank_worker, args.window))
+        return 0
     if args.quick:
         sizes = {"workers": "1,2,4,8,16", "tput": 6000, "warmup": 500, "seq": 300, "weights_mb": 256,
                  "bucket_mb": 64, "rounds": 3, "reps": 2, "batches": 2}
@@ -490,10 +633,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes["workers"] = [int(x) for x in (args.workers or sizes["workers"]).split(",")]
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
+        ranks = args.ranks if args.ranks is not None else ("1,2" if args.quick else "1,2,4")
+        sizes["ranks"] = sorted({int(x) for x in ranks.split(",") if x and x != "0"})
     except ValueError:
-        parser.error("--workers and --receivers take comma-separated integers")
+        parser.error("--workers, --receivers and --ranks take comma-separated integers")
     if min(sizes["workers"]) < 1 or (sizes["receivers"] and min(sizes["receivers"]) < 1) or args.window < 1:
         parser.error("worker counts and --window must be >= 1")
+    if sizes["ranks"] and (min(sizes["ranks"]) < 1 or (args.ranks_workers is not None and args.ranks_workers < 2)):
+        parser.error("--ranks must be >= 1 (0 skips) and --ranks-workers >= 2")
+    sizes["ranks_workers"] = args.ranks_workers
     if args.weights_mb is not None:
         if args.weights_mb < 1:
             parser.error("--weights-mb must be >= 1")
@@ -510,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: the load average is other work, not ours
     cores = machine["machine_cores"]
     t0 = time.perf_counter()
-    fleets, paced, updates, memcpy = run_loop(measure(sizes, cores))
-    m = metrics(sizes, fleets, paced, updates, memcpy)
+    fleets, ranks, paced, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, ranks, paced, updates, memcpy)
     m["quick"] = args.quick
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
@@ -525,6 +673,15 @@ def main(argv: list[str] | None = None) -> int:
                  for n, f in sorted(fleets.items())],
                 title=f"echo fleet, generate(max_tokens=1), {args.window} in flight; {cores} cores, "
                       f"{machine['machine_cpu']}, load {machine['machine_load_1m']}{' (quick)' if args.quick else ''}")
+    if ranks:
+        print()
+        print_table(["ranks", "workers each", "req/s", "vs 1 rank", "p99 us", "busiest loop cores", "sup. cores",
+                     "workers cores", "machine busy", "bottleneck"],
+                    [(k, ranks["workers"] // k, f["rps"], f["rps"] / ranks["by_ranks"][min(ranks["by_ranks"])]["rps"],
+                      f["lat"]["p99"], f["cpu"]["loop"], f["cpu"]["supervisor"], f["cpu"]["workers"],
+                      f["cpu"]["machine"], f["bottleneck"]) for k, f in sorted(ranks["by_ranks"].items())],
+                    title=f"{ranks['workers']} no-model echo workers as K ranks, a fleet and a flood of "
+                          f"{args.window}/K in flight each")
     if paced:
         p = sizes["paced"]
         print()
@@ -543,12 +700,13 @@ def main(argv: list[str] | None = None) -> int:
                     title=f"update_weights, {sizes['weights_mb']} MB bf16 in {sizes['bucket_mb']} MB buckets "
                           f"(memcpy of the same bytes: {memcpy:.2f} GB/s)")
     print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']} "
-          f"(no model), {m.get('paced_bottleneck', 'not run')} (engine-paced)")
+          f"(no model), {m.get('paced_bottleneck', 'not run')} (engine-paced)"
+          + (f"; {m['ranks_workers']} workers as {m['ranks_max']} ranks: {m['ranks_bottleneck']}" if ranks else ""))
     if args.json:
         write_json(args.json, m)
         print(f"wrote {args.json}")
     png = png_path(args)
-    if png and plot(png, fleets, paced, updates, memcpy, cores):
+    if png and plot(png, fleets, ranks, paced, updates, memcpy, cores):
         print(f"wrote {png}")
     return 0
 

@@ -95,7 +95,7 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
     rows = []
     for n in ns:
         head = row.headline and n == ns[-1] and n != 1
-        label = re.sub(r"\b1 (worker|receiver)s\b", r"1 \1", row.label.format(n=n))
+        label = re.sub(r"\b1 (worker|receiver|rank)s\b", r"1 \1", row.label.format(n=n))
         rows.append((Row(label=label, key=row.key.format(n=n),
                          baseline=row.baseline and row.baseline.format(n=n), against=row.against,
                          ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu,
@@ -168,7 +168,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     where = m.get(f"bottleneck_{top}w", "")
     text = [
         f"With {top} workers the fleet served {fmt('_rps', m[f'rps_{top}w'])}. The supervisor's event loop "
-        f"(one thread: the one part of the fleet that cannot spread over cores) was busy {loop:.2f} of a core, "
+        f"(one thread: the one part of a fleet that cannot spread over cores) was busy {loop:.2f} of a core, "
         f"the whole supervisor process (loop, ZeroMQ I/O thread and the in-process client driving the load) "
         f"{sup:.2f} cores, the {top} worker processes {work:.2f} cores, and the machine {busy:.2f} of its "
         f"{cores} cores."]
@@ -191,6 +191,19 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     else:
         text.append("Neither the loop nor the machine was saturated: throughput was bounded by round trips "
                     "(requests in flight / latency).")
+    rs = sorted(int(k[10:-1]) for k in m if re.fullmatch(r"ranks_rps_\d+r", k))
+    if len(rs) > 1 and "ranks_workers" in m:
+        r, w = rs[-1], m["ranks_workers"]
+        loops = ", ".join(f"{m[f'ranks_loop_cpu_max_{k}r']:.2f}" for k in rs)
+        where = m.get(f"ranks_bottleneck_{r}r", "")
+        text.append(
+            f"Spread over ranks, as a job runs a fleet per rank (examples/torchrun_rl.py), the same {w} no-model "
+            f"workers as {', '.join(map(str, rs))} ranks (a process, a supervisor and a flood each, the same "
+            f"requests in flight in all) served {', '.join(fmt('_rps', m[f'ranks_rps_{k}r']) for k in rs)} "
+            f"({m['ranks_rps_scaling_max']:.2f}x from {rs[0]} to {r}); the busiest rank's loop was busy {loops} of a "
+            f"core, and with {r} ranks the limit was: {where}"
+            + (f" ({m.get(f'ranks_machine_busy_{r}r', 0):.2f} of {cores} cores busy)." if where.startswith("machine")
+               else "."))
     ps = sorted(int(k[10:-1]) for k in m if re.fullmatch(r"paced_rps_\d+w", k))
     if ps and "paced_loop_ceiling_workers" in m:
         p = ps[-1]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,12 +53,22 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert 0.3 < metrics[f"paced_vs_capacity_{n}w"] <= 1.02
         assert 0 < metrics[f"paced_loop_cpu_{n}w"] <= 1.05 and metrics[f"paced_bottleneck_{n}w"]
     assert metrics["paced_loop_ceiling_workers"] > 0
+    # The 2-worker fleet (the only one that can be split) again as 1 and as 2 ranks, each rank a
+    # process with a fleet of its own; none of those processes outlives the run.
+    assert metrics["ranks_workers"] == 2 and metrics["ranks_max"] == 2
+    for k in (1, 2):
+        assert metrics[f"ranks_rps_{k}r"] > 0 and metrics[f"ranks_p99_us_{k}r"] > 0
+        assert 0 < metrics[f"ranks_loop_cpu_max_{k}r"] <= 1.05 and metrics[f"ranks_bottleneck_{k}r"]
+    assert metrics["ranks_rps_scaling_max"] == pytest.approx(metrics["ranks_rps_2r"] / metrics["ranks_rps_1r"])
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if "--rank-worker" in (p.info["cmdline"] or [])]
     text = report.read_text()
     assert text.startswith("# Benchmark results")
     assert "| figure | value | baseline | baseline value | ratio | goal | met |" in text
     assert "| throughput, 2 workers |" in text and "| 1 worker |" in text
     assert "### Where the bottleneck is" in text and "event loop" in text and "Paced like real engines" in text
     assert "| engine-paced throughput, 2 workers |" in text
+    assert "| no-model throughput, the busiest fleet's workers as 2 ranks (a fleet each) |" in text
+    assert "| the same workers as 1 rank |" in text and "Spread over ranks" in text
     assert "`bench_rpc`: not run: not selected" in text
     assert "| A | " in text  # the machines table names this machine
     if (out / "bench_scaling.png").exists():  # matplotlib is an optional extra
