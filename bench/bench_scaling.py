@@ -25,7 +25,7 @@ of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2): K processes, each wit
 its own over workers / K of the workers and its own in-process flood of window / K in flight,
 as examples/torchrun_rl.py runs a fleet per rank. Same workers and requests in flight in all;
 the supervisor's work is spread over K loops. Requests/s is every rank's calls over the time
-until the last rank finished.
+until the last rank finished; each round makes at least 20,000 calls in all.
 
 Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
@@ -311,7 +311,9 @@ async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
                     raise RuntimeError(f"a rank process did not start (exit {await proc.wait()})")
         for r in range(ROUNDS):
             for k, ps in procs.items():
-                calls = sizes["tput"] // ROUNDS // k
+                # Rounds of at least 20,000 calls in all: a rank's start and end, and the pipes that
+                # start it, stay small against the flood (quick runs make few calls per fleet size).
+                calls = max(sizes["tput"] // ROUNDS, 20_000) // k
                 machine = psutil.cpu_times()
                 t = time.perf_counter()
                 for proc in ps:
