@@ -20,7 +20,7 @@ OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 # Units by key suffix, longest first; ratios get an "x".
 UNITS = [("us", "us"), ("ms", "ms"), ("gbps", "GB/s"), ("rps", "req/s"), ("tps", "tok/s"), ("s", "s")]
 # What may follow the unit in a key: a fleet size, a bucket size, a strategy.
-TAIL = r"(_\d+w|_\d+mb|_resume|_restart|_best)?$"
+TAIL = r"(_\d+w|_\d+r|_\d+mb|_resume|_restart|_best)?$"
 
 
 @dataclass(kw_only=True, slots=True)
