@@ -20,8 +20,9 @@ Engine-paced: the same fleet sizes with each echo worker standing in for a real 
 The engines are then the limit by construction; what counts is whether the fleet delivers
 their capacity as workers are added (``paced_vs_capacity``), and what that costs the loop.
 
-Ranks: the fleet size whose loop was busiest (``--ranks-workers`` to choose) run again as K ranks
-of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2): K processes, each with a supervisor of
+Ranks: the fleet size of 2 or more whose loop was busiest (``--ranks-workers`` to choose) run again
+as K ranks of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2; those that divide the workers
+evenly): K processes, each with a supervisor of
 its own over workers / K of the workers and its own in-process flood of window / K in flight,
 as examples/torchrun_rl.py runs a fleet per rank. Same workers and requests in flight in all;
 the supervisor's work is spread over K loops. Requests/s is every rank's calls over the time
@@ -358,8 +359,8 @@ async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
 
 
 def ranks_workers(sizes: dict, fleets: dict) -> int:
-    """The fleet size to spread over ranks: the one whose loop was busiest (at least 2 workers,
-    the most ranks asked for at most), unless ``--ranks-workers`` names one."""
+    """The fleet size to spread over ranks: the one of at least 2 workers whose loop was busiest,
+    unless ``--ranks-workers`` names one."""
     if sizes.get("ranks_workers"):
         return sizes["ranks_workers"]
     split = [n for n in fleets if n >= 2] or [2]
@@ -423,8 +424,11 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, floa
     ranks: dict = {}
     if sizes["ranks"]:
         workers = ranks_workers(sizes, fleets)
-        sizes["ranks"] = [k for k in sizes["ranks"] if k <= workers]
-        ranks = {"workers": workers, "by_ranks": await ranks_in_turns(sizes, cores, workers)}
+        sizes["ranks"] = [k for k in sizes["ranks"] if workers % k == 0]  # the same workers in all
+        if sizes["ranks"]:
+            ranks = {"workers": workers, "by_ranks": await ranks_in_turns(sizes, cores, workers)}
+        else:
+            print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
     if not sizes["receivers"]:
         return fleets, ranks, paced, {}, 0.0
@@ -615,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "
                              "(default 1,2,4, --quick 1,2; 0 skips).")
     parser.add_argument("--ranks-workers", type=int, default=None,
-                        help="Workers in all for the ranks run (default: the fleet size whose loop was busiest).")
+                        help="Workers in all for the ranks run (default: the fleet size of 2 or more whose loop "
+                             "was busiest).")
     parser.add_argument("--rank-worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_worker:
@@ -677,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{machine['machine_cpu']}, load {machine['machine_load_1m']}{' (quick)' if args.quick else ''}")
     if ranks:
         print()
-        print_table(["ranks", "workers each", "req/s", "vs 1 rank", "p99 us", "busiest loop cores", "sup. cores",
+        print_table(["ranks", "workers each", "req/s", "vs fewest ranks", "p99 us", "busiest loop cores", "sup. cores",
                      "workers cores", "machine busy", "bottleneck"],
                     [(k, ranks["workers"] // k, f["rps"], f["rps"] / ranks["by_ranks"][min(ranks["by_ranks"])]["rps"],
                       f["lat"]["p99"], f["cpu"]["loop"], f["cpu"]["supervisor"], f["cpu"]["workers"],
