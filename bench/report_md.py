@@ -155,9 +155,15 @@ def copy_png(src: str, dst: str) -> None:
         shutil.copyfile(src, dst)
 
 
+def sizes_in(m: dict[str, Any], prefix: str, suffix: str = "w") -> list[int]:
+    """The sizes n of the keys ``{prefix}{n}{suffix}`` in m, ascending."""
+    found = (re.fullmatch(rf"{re.escape(prefix)}(\d+){suffix}", k) for k in m)
+    return sorted(int(f.group(1)) for f in found if f)
+
+
 def bottleneck_text(m: dict[str, Any]) -> str:
     """A paragraph on where the scaling run spent its CPU, from the bench_scaling keys."""
-    ns = sorted(int(k[4:-1]) for k in m if re.fullmatch(r"rps_\d+w", k))
+    ns = sizes_in(m, "rps_")
     if not ns or f"supervisor_loop_cpu_{ns[-1]}w" not in m:
         return "The scaling run recorded no CPU figures."
     top, cores = ns[-1], m.get("machine_cores", "?")
@@ -191,7 +197,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     else:
         text.append("Neither the loop nor the machine was saturated: throughput was bounded by round trips "
                     "(requests in flight / latency).")
-    rs = sorted(int(k[10:-1]) for k in m if re.fullmatch(r"ranks_rps_\d+r", k))
+    rs = sizes_in(m, "ranks_rps_", "r")
     if len(rs) > 1 and "ranks_workers" in m:
         r, w = rs[-1], m["ranks_workers"]
         loops = ", ".join(f"{m[f'ranks_loop_cpu_max_{k}r']:.2f}" for k in rs)
@@ -204,7 +210,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             f"core, and with {r} ranks the limit was: {where}"
             + (f" ({m.get(f'ranks_machine_busy_{r}r', 0):.2f} of {cores} cores busy)." if where.startswith("machine")
                else "."))
-    ps = sorted(int(k[10:-1]) for k in m if re.fullmatch(r"paced_rps_\d+w", k))
+    ps = sizes_in(m, "paced_rps_")
     if ps and "paced_loop_ceiling_workers" in m:
         p = ps[-1]
         share = ", ".join(f"{m[f'paced_vs_capacity_{n}w']:.2f}" for n in ps)
@@ -220,7 +226,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             + (f". Below 0.9 of the capacity at {p} workers, and neither the loop nor the machine saturated on "
                f"average (machine busy {m.get(f'paced_machine_busy_{p}w', 0):.2f} of its {cores} cores)."
                if where == "none saturated" else f"; the limit at {p} workers: {where}."))
-    ks = sorted(int(k[5:-1]) for k in m if re.fullmatch(r"gbps_\d+w", k))
+    ks = sizes_in(m, "gbps_")
     if len(ks) > 1:
         curve = ", ".join(f"{m[f'gbps_{k}w']:.2f}" for k in ks)
         change = m[f"gbps_{ks[-1]}w"] / m[f"gbps_{ks[0]}w"] - 1
