@@ -15,11 +15,24 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from ..errors import FleetClosed, RequestTimeout, RolloutError, from_code
 from ..transport import codec
-from ..transport.messages import Abort, Chunk, Control, Error, Generate, Message, Reply, Result, SamplingParams, Stats
+from ..transport.aio import LoopSocket
+from ..transport.messages import (
+    Abort,
+    Batch,
+    Chunk,
+    Control,
+    Error,
+    Generate,
+    Hello,
+    Message,
+    Reply,
+    Result,
+    SamplingParams,
+    Stats,
+)
 from ..transport.sockets import SocketOptions, make_socket
 from .result import GenerationResult, StreamChunk
 
@@ -230,23 +243,29 @@ class RemoteClient(_Base):
     """Async client of a fleet's frontend socket, from any process.
 
     ``async with RemoteClient(address) as client: await client.generate(...)``
+
+    Before its first request it says ``hello`` with ``batch``: under load its requests then go
+    out, and their answers come back, several to a frame (a fleet that does not know ``hello``
+    answers with an error, and every message goes alone as before).
     """
 
     def __init__(self, address: str, *, curve_keys: tuple[bytes, bytes, bytes] | None = None,
                  call_timeout_s: float = 60.0, request_timeout_s: float | None = 3600.0):
         """``request_timeout_s`` bounds generate/stream calls made without a timeout: over a
         socket a lost answer (the fleet died, the network broke) would otherwise be waited for
-        forever. ``call_timeout_s`` bounds abort/stats/control."""
+        forever. ``call_timeout_s`` bounds abort/stats/control and the first ``hello``."""
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=SocketOptions(),
                                  curve_client_keys=curve_keys)
+        self._lsock: LoopSocket | None = None  # made on first use, on the caller's event loop
         self._sinks: dict[str, Any] = {}
         self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
-        self._reader: asyncio.Task[None] | None = None
+        self._hello: asyncio.Task[None] | None = None
+        self._batch = False  # the fleet takes batches from this client
         self._closed = False
 
     async def __aenter__(self) -> "RemoteClient":
@@ -259,64 +278,104 @@ class RemoteClient(_Base):
         if self._closed:
             return
         self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except BaseException:
-                pass
-        self._sock.close(linger=0)
+        if self._hello is not None and not self._hello.done():
+            self._hello.cancel()
+        if self._lsock is not None:
+            self._lsock.close(linger=0)
+        else:
+            self._sock.close(linger=0)
         self._ctx.term()
 
-    def _ensure_reader(self) -> None:
+    def _socket(self) -> LoopSocket:
         if self._closed:
             raise FleetClosed("client is closed")
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read_loop())
+        if self._lsock is None:
+            self._lsock = LoopSocket(self._sock, self._on_frames)
+        return self._lsock
 
-    async def _read_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                msg = codec.decode(frames[:1])
-            except codec.DecodeError as exc:
-                logger.warning("bad message from the fleet: %s", exc)
-                continue
-            if isinstance(msg, (Reply, Error)) and msg.id in self._calls:
-                fut = self._calls.pop(msg.id)
-                if not fut.done():
-                    if isinstance(msg, Reply):
-                        fut.set_result(msg.data)
-                    else:
-                        fut.set_exception(from_code(msg.code, msg.message, msg.request_id))
-                continue
-            sink = self._sinks.get(msg.id)
-            if sink is not None:
-                sink(msg)
-                if isinstance(msg, (Result, Error)):
-                    self._sinks.pop(msg.id, None)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        # (header,) -- further frames are ignored
+        try:
+            msg = codec.decode(frames[:1])
+        except codec.DecodeError as exc:
+            logger.warning("bad message from the fleet: %s", exc)
+            return
+        if type(msg) is not Batch:
+            self._on_message(msg)
+            return
+        for item in codec.unbatch(msg):
+            if isinstance(item, codec.DecodeError):
+                logger.warning("bad message from the fleet: %s", item)
+            else:
+                self._on_message(item)
+
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, (Reply, Error)) and msg.id in self._calls:
+            fut = self._calls.pop(msg.id)
+            if not fut.done():
+                if isinstance(msg, Reply):
+                    fut.set_result(msg.data)
+                else:
+                    fut.set_exception(from_code(msg.code, msg.message, msg.request_id))
+            return
+        sink = self._sinks.get(msg.id)
+        if sink is not None:
+            sink(msg)
+            if isinstance(msg, (Result, Error)):
+                self._sinks.pop(msg.id, None)
 
     async def _send(self, msg: Message) -> None:
         # (header,)
-        await self._sock.send(codec.encode(msg))
+        self._post(codec.encode(msg))
 
-    async def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
-        self._ensure_reader()
+    def _post(self, encoded: bytes) -> None:
+        sock = self._socket()
+        if self._batch:
+            sock.post(None, encoded)
+        else:
+            sock.send([encoded])
+
+    async def _say_hello(self) -> None:
+        try:
+            data = await self._call(Hello(id=f"h{next(self._ids)}", batch=True))
+        except RolloutError as exc:
+            if exc.code != "unknown_type":  # a fleet from before hello: no batches
+                raise
+            return
+        self._batch = data.get("batch") is True
+
+    def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+        self._socket()
+        hello = self._hello
+        if hello is None or (hello.done() and (hello.cancelled() or hello.exception() is not None)):
+            # once; again only after a failure
+            hello = self._hello = asyncio.ensure_future(self._say_hello())
+        if not hello.done():
+            return self._submit_after_hello(hello, request_id, prompt_ids, params, sink, stream, session_id, resume)
+        self._start(request_id, prompt_ids, params, sink, stream, session_id, resume)
+        return None
+
+    async def _submit_after_hello(self, hello, *args):  # type: ignore[no-untyped-def]
+        # shielded: one caller giving up does not stop the hello that the others wait for
+        await asyncio.shield(hello)
+        self._start(*args)
+
+    def _start(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
         if request_id in self._sinks:
             from ..errors import DuplicateRequest
 
             raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
         self._sinks[request_id] = sink
-        await self._send(Generate(id=request_id, prompt_ids=prompt_ids, sampling=params, stream=stream,
-                                  session_id=session_id, resume=resume))
+        # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
+        self._post(codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume))
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and not self._closed:
             # fire and forget: the request is gone for this caller either way
-            self._sock.send(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
+            self._post(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
 
     async def _call(self, msg: Message) -> dict[str, Any]:
-        self._ensure_reader()
+        self._socket()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[msg.id] = fut
         try:

@@ -48,6 +48,7 @@ from ..transport.messages import (
     FinishReason,
     Generate,
     Heartbeat,
+    Hello,
     Message,
     Register,
     Reply,
@@ -75,6 +76,9 @@ LOCAL = "local"
 # Enum values are properties: read them once, not on every request.
 _ABORT = FinishReason.ABORT.value
 _LENGTH = FinishReason.LENGTH.value
+# Clients remembered as taking batches (hello with batch): the oldest are forgotten past this
+# many, and get their messages one to a frame again, which they read as well.
+MAX_BATCH_CLIENTS = 1 << 16
 
 
 class Supervisor:
@@ -105,6 +109,7 @@ class Supervisor:
         self._ctx: zmq.Context | None = None
         self._wsock: Any = None
         self._fsock: Any = None
+        self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
@@ -167,7 +172,7 @@ class Supervisor:
                 sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts,
                                    curve_server_keys=server_keys,
                                    zap_domain=auth.CLIENT_DOMAIN if server_keys else None)
-                self._fsock = LoopSocket(sock, self._on_frontend_frames)
+                self._fsock = LoopSocket(sock, self._on_frontend_frames, on_post_error=self._on_client_gone)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
             if cfg.metrics_port is not None:
                 self._metrics = MetricsExporter(cfg.metrics_port)
@@ -938,11 +943,20 @@ class Supervisor:
 
     # ================================================================== frontend socket
     def _reply_client(self, identity: bytes, msg: Message) -> None:
-        # (identity, header)
+        # (identity, header); to a client that takes batches, posted: what it gets in one
+        # loop iteration goes out as one batch
+        if identity in self._batch_clients:
+            self._fsock.post(identity, codec.encode(msg))
+            return
         try:
             self._fsock.send([identity, codec.encode(msg)])
         except zmq.ZMQError as exc:
             logger.debug("client %s unreachable: %s", identity.hex(), exc)
+
+    def _on_client_gone(self, identity: bytes | None, exc: zmq.ZMQError) -> None:
+        logger.debug("client %s unreachable: %s", (identity or b"").hex(), exc)
+        if identity is not None:
+            self._batch_clients.pop(identity, None)
 
     def _on_frontend_frames(self, frames: list[bytes]) -> None:
         # (identity, header, *buffers)
@@ -957,6 +971,20 @@ class Supervisor:
             self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
             self._reply_client(identity, codec.error_for(exc))
             return
+        if type(msg) is not Batch:
+            self._on_client_message(identity, msg)
+        elif identity not in self._batch_clients:
+            self._reply_client(identity, Error(id=msg.id, code="unknown_type",
+                                               message="a client sends 'batch' only after 'hello' with batch: true"))
+        else:
+            for item in codec.unbatch(msg):
+                if isinstance(item, codec.DecodeError):  # answered like a bad frame; the others still run
+                    self._drops.log("bad_client_frame", logging.INFO, "bad client message in a batch: %s", item)
+                    self._reply_client(identity, codec.error_for(item))
+                else:
+                    self._on_client_message(identity, item)
+
+    def _on_client_message(self, identity: bytes, msg: Message) -> None:
         origin = identity.hex()
         if isinstance(msg, Generate):
             def sink(out: Message, identity: bytes = identity) -> None:
@@ -974,6 +1002,13 @@ class Supervisor:
                                                    message=f"no request {msg.request_id!r} in flight"))
         elif isinstance(msg, (Stats, Control)):
             asyncio.create_task(self._answer_call(identity, msg))
+        elif isinstance(msg, Hello):
+            self._batch_clients.pop(identity, None)
+            if msg.batch:
+                self._batch_clients[identity] = None  # the newest last
+                if len(self._batch_clients) > MAX_BATCH_CLIENTS:
+                    del self._batch_clients[next(iter(self._batch_clients))]
+            self._reply_client(identity, Reply(id=msg.id, data={"batch": msg.batch}))
         else:
             self._reply_client(identity, Error(id=msg.id, code="unknown_type",
                                                message=f"clients may not send {msg.TYPE.value!r}"))

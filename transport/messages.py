@@ -39,6 +39,7 @@ __all__ = [
     "WeightsBucket",
     "WeightsEnd",
     "Batch",
+    "Hello",
     "MESSAGE_CLASSES",
     "CONTROL_OPS",
 ]
@@ -68,8 +69,11 @@ class MsgType(str, enum.Enum):
     WEIGHTS_BEGIN = "weights_begin"
     WEIGHTS_BUCKET = "weights_bucket"
     WEIGHTS_END = "weights_end"
-    # worker <-> supervisor, either way: several messages in one frame
+    # worker <-> supervisor, either way, and client <-> supervisor after a hello: several
+    # messages in one frame
     BATCH = "batch"
+    # client -> supervisor, optional: what the client can take
+    HELLO = "hello"
 
 
 class FinishReason(str, enum.Enum):
@@ -436,13 +440,25 @@ class WeightsEnd(Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Batch(Message):
-    """Several messages for one peer in one frame, in the order they were sent. Only between
-    a worker and its supervisor: ``codec.unbatch`` checks and decodes each one on its own."""
+    """Several messages for one peer in one frame, in the order they were sent: between a
+    worker and its supervisor, and between a client and the supervisor once the client said
+    ``hello`` with ``batch``. ``codec.unbatch`` checks and decodes each one on its own."""
 
     TYPE: ClassVar[MsgType] = MsgType.BATCH
     messages: list[Any]
     """Each a complete message map (its own ``v``, ``type`` and ``id``); never a batch, never
     a message with buffer frames."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello(Message):
+    """A client says what it can take (optional, any time); answered by ``reply`` with
+    ``data: {"batch": bool}``, whether batches now flow both ways on this connection."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    batch: bool = False
+    """The client decodes ``batch`` messages: the supervisor may then pack what it sends it,
+    and takes batches from it."""
 
 
 MESSAGE_CLASSES: dict[str, type[Message]] = {
@@ -464,5 +480,6 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
         WeightsBucket,
         WeightsEnd,
         Batch,
+        Hello,
     )
 }

@@ -31,6 +31,7 @@ from rollfleet.transport.messages import (
     Error,
     Generate,
     Heartbeat,
+    Hello,
     Message,
     Register,
     Reply,
@@ -127,6 +128,8 @@ VECTORS: list[Message] = [
         {"v": 1, "type": "result", "id": "w0-0:6", "token_ids": [4, 31999], "finish_reason": "stop",
          "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0", "timings": {}},
     ]),
+    # A client that reads batches, before its first request.
+    Hello(id="hello-1", batch=True),
 ]
 
 

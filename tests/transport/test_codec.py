@@ -12,6 +12,7 @@ from rollfleet.transport.messages import (
     Error,
     Generate,
     Heartbeat,
+    Hello,
     Register,
     Reply,
     Result,
@@ -45,6 +46,7 @@ SAMPLES = [
                                                          "nbytes": 8}]),
     WeightsEnd(id="we", version=3, commit=False),
     Batch(id="", messages=[{"v": 1, "type": "stats", "id": "s2"}, {"v": 1, "type": "abort", "id": "a2", "request_id": "r"}]),
+    Hello(id="h", batch=True),
 ]
 
 

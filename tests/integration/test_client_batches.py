@@ -1,0 +1,182 @@
+"""Batches on the client socket: a client that says ``hello`` with ``batch`` gets its answers
+several to a frame and may send its requests so; one that does not never sees a batch. Real
+supervisor, real echo workers, raw ZeroMQ clients written from PROTOCOL.md, and RemoteClient."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
+from rollfleet.engines.echo import echo_tokens
+from rollfleet.transport import codec
+from rollfleet.transport.messages import Generate, Hello, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def fleet(num_workers: int = 2) -> Supervisor:
+    return Supervisor(FleetConfig(engine="echo", num_workers=num_workers, engine_options={"tokens_per_s": 0}))
+
+
+def generate(rid: str, prompt: list[int], max_tokens: int) -> bytes:
+    return codec.encode(Generate(id=rid, prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens)))
+
+
+class RawClient:
+    """A DEALER that keeps every frame it receives, decoded by plain msgpack."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.frames: list[dict] = []  # every frame's map, as received
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    async def send(self, frame: bytes) -> None:
+        await self.sock.send(frame)
+
+    async def answers(self, want: set[str], timeout: float = 20.0) -> dict[str, dict]:
+        """Receive until a final answer (result or error) came for every id in ``want``; batches
+        are opened. Returns id -> that final answer."""
+        got: dict[str, dict] = {}
+        while not want <= got.keys():
+            frame = msgpack.unpackb(await asyncio.wait_for(self.sock.recv(), timeout), raw=False)
+            self.frames.append(frame)
+            for msg in frame["messages"] if frame["type"] == "batch" else [frame]:
+                if msg["type"] in ("result", "error", "reply"):
+                    got[msg["id"]] = msg
+        return got
+
+
+async def test_hello_with_batch_packs_answers_and_takes_batches_one_bad_message_costs_the_others_nothing():
+    async with fleet() as sup:
+        raw = RawClient(sup.frontend_address)
+        try:
+            await raw.send(codec.encode(Hello(id="h1", batch=True)))
+            hello = (await raw.answers({"h1"}))["h1"]
+            assert hello["type"] == "reply" and hello["data"] == {"batch": True}
+
+            # 200 requests in 4 batch frames; one bad request and one nested batch among them.
+            ids = [f"r{i}" for i in range(200)]
+            items = [generate(rid, [i % 50 + 1, 7], 3) for i, rid in enumerate(ids)]
+            items[17] = msgpack.packb({"v": 1, "type": "generate", "id": "bad", "prompt_ids": "x"})
+            items[90] = msgpack.packb({"v": 1, "type": "batch", "id": "nested", "messages": []})
+            for start in range(0, 200, 50):
+                await raw.send(codec.batch_frame(items[start:start + 50]))
+            good = [rid for i, rid in enumerate(ids) if i not in (17, 90)]
+            got = await raw.answers(set(good) | {"bad", "nested"})
+            for i, rid in enumerate(ids):
+                if i in (17, 90):
+                    continue
+                assert got[rid]["type"] == "result", got[rid]
+                assert got[rid]["token_ids"] == echo_tokens([i % 50 + 1, 7], 3)
+            assert got["bad"]["type"] == "error" and got["bad"]["code"] == "bad_field"
+            assert got["nested"]["type"] == "error" and got["nested"]["code"] == "bad_message"
+            # 199 answers and a hello reply came in fewer frames than messages: some were batches
+            assert any(f["type"] == "batch" for f in raw.frames)
+            assert len(raw.frames) < 200
+            assert sup.counters["completed"] == 198
+        finally:
+            raw.close()
+
+
+async def test_a_client_that_never_said_hello_never_receives_a_batch_and_its_batches_are_refused():
+    async with fleet() as sup:
+        raw = RawClient(sup.frontend_address)
+        other = RawClient(sup.frontend_address)
+        try:
+            await other.send(codec.encode(Hello(id="h", batch=True)))  # another client's hello is not this one's
+            await other.answers({"h"})
+            ids = [f"p{i}" for i in range(300)]
+            for i, rid in enumerate(ids):
+                await raw.send(generate(rid, [i + 1], 2))
+            got = await raw.answers(set(ids))
+            assert all(got[rid]["token_ids"] == echo_tokens([i + 1], 2) for i, rid in enumerate(ids))
+            assert [f["type"] for f in raw.frames] == ["result"] * 300
+
+            # hello without batch: the answer says no, and a batch is still refused whole
+            await raw.send(codec.encode(Hello(id="h0", batch=False)))
+            assert (await raw.answers({"h0"}))["h0"]["data"] == {"batch": False}
+            await raw.send(codec.batch_frame([generate("inside", [1], 1)]))
+            refused = msgpack.unpackb(await asyncio.wait_for(raw.sock.recv(), 10), raw=False)
+            assert refused["type"] == "error" and refused["code"] == "unknown_type"
+            await asyncio.sleep(0.2)
+            assert sup.counters["completed"] == 300  # the request inside the refused batch never ran
+        finally:
+            raw.close()
+            other.close()
+
+
+async def test_remote_client_says_hello_then_floods_streams_and_calls_over_batches():
+    async with fleet() as sup:
+        async with RemoteClient(sup.frontend_address) as client:
+            assert await client.generate("first", [3], SamplingParams(max_tokens=2)) is not None
+            assert client._batch is True  # the fleet answered its hello: batches both ways
+            results = await asyncio.gather(*(client.generate(f"f{i}", [i + 1, 2], SamplingParams(max_tokens=4))
+                                             for i in range(500)))
+            assert [r.token_ids for r in results] == [echo_tokens([i + 1, 2], 4) for i in range(500)]
+            streamed = [c async for c in client.stream("s", [9], SamplingParams(max_tokens=5))]
+            assert streamed[-1].token_ids == echo_tokens([9], 5)
+            assert (await client.stats())["num_workers"] == 2
+        assert sup.counters["completed"] == 502
+
+
+async def test_a_batch_client_that_goes_away_costs_the_fleet_nothing():
+    async with Supervisor(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 200})) as sup:
+        raw = RawClient(sup.frontend_address)
+        await raw.send(codec.encode(Hello(id="h", batch=True)))
+        await raw.answers({"h"})
+        await raw.send(codec.batch_frame([generate(f"gone{i}", [i + 1], 4) for i in range(40)]))
+        await asyncio.sleep(0.05)
+        raw.close()  # its answers have nowhere to go: EHOSTUNREACH on the supervisor's side
+        deadline = asyncio.get_running_loop().time() + 20
+        while sup.counters["completed"] < 40 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert sup.counters["completed"] == 40
+        async with RemoteClient(sup.frontend_address) as client:
+            result = await client.generate("after", [5], SamplingParams(max_tokens=3))
+            assert result.token_ids == echo_tokens([5], 3)
+
+
+async def test_remote_client_talks_to_a_fleet_without_hello_one_message_to_a_frame():
+    """The other side is a stand-in for a fleet from before ``hello``: a ROUTER that answers
+    hello, and any batch, with error unknown_type, and echoes each generate with a result."""
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[str] = []
+
+    async def serve() -> None:
+        while True:
+            identity, frame = await server.recv_multipart()
+            msg = msgpack.unpackb(frame, raw=False)
+            seen.append(msg["type"])
+            if msg["type"] == "generate":
+                answer = {"v": 1, "type": "result", "id": msg["id"], "token_ids": msg["prompt_ids"],
+                          "finish_reason": "length"}
+            else:
+                answer = {"v": 1, "type": "error", "id": msg["id"], "code": "unknown_type",
+                          "message": f"clients may not send {msg['type']!r}"}
+            await server.send_multipart([identity, msgpack.packb(answer)])
+
+    task = asyncio.create_task(serve())
+    try:
+        async with RemoteClient(f"tcp://127.0.0.1:{port}") as client:
+            results = await asyncio.gather(*(client.generate(f"g{i}", [i], SamplingParams(max_tokens=1))
+                                             for i in range(100)))
+            assert [r.token_ids for r in results] == [[i] for i in range(100)]
+        assert seen == ["hello"] + ["generate"] * 100  # no batch was ever sent
+    finally:
+        task.cancel()
+        server.close(0)
+        ctx.term()
