@@ -11,7 +11,10 @@ Measured side by side in one run, each between two processes over ipc://:
   worker) with 1 and 4 echo workers, on uvloop as the CLI runs. Latency one call at a time;
   throughput with ``--window`` concurrent generate calls. With 1 worker the RemoteClient
   (one more hop, through the frontend socket; the client runs in this same process, so
-  its zmq.asyncio work shares the supervisor's core) is timed as well.
+  its socket work shares the supervisor's core) is timed one call at a time; and a RemoteClient
+  in a process of its own, as an agent-loop process would hold one, floods the 1-worker fleet's
+  frontend with ``--window`` calls in flight (its hello lets requests and answers go several to
+  a frame).
 - ``ray``: sequential ``ray.get(actor.echo.remote(x))`` when ``ray`` is importable (the
   baseline many RL stacks use today; never a dependency of rollfleet).
 
@@ -34,10 +37,14 @@ Keys: latencies are in microseconds over ``num_rtt_calls`` calls made one at a t
 ``fleet_rtt_p99_us_4w``, ``fleet_seq_rps_4w``, ``remote_rtt_p50_us``, ``remote_rtt_p99_us``,
 ``remote_seq_rps`` (RemoteClient, 1 worker). Requests/s with ``window`` in flight, the median of 3
 floods: ``raw_pipelined_rps``, ``raw_async_pipelined_rps``, ``fleet_rps_1w``, ``fleet_rps_4w``,
-``fleet_rps_best`` (the larger of the two fleet figures); ``fleet_start_s_1w``, ``fleet_start_s_4w``
+``fleet_rps_best`` (the larger of the two fleet figures), ``remote_rps_1w`` (RemoteClient in a
+process of its own, 1 worker), ``remote_client_us_per_req`` (that process's CPU per request);
+``fleet_start_s_1w``, ``fleet_start_s_4w``
 (Supervisor start-up, s). Ratios: ``fleet_vs_raw_p50`` (``fleet_rtt_p50_us`` / ``raw_rtt_p50_us``),
 ``fleet_vs_raw_rps`` (``fleet_rps_best`` / ``raw_pipelined_rps``), ``fleet_vs_raw_async_p50``,
-``fleet_vs_raw_async_rps`` (the same over the uvloop path's figures); goals: ``goal_p50_met``
+``fleet_vs_raw_async_rps`` (the same over the uvloop path's figures), ``remote_vs_raw_rps``
+(``remote_rps_1w`` / ``raw_pipelined_rps``), ``remote_vs_fleet_rps`` (``remote_rps_1w`` /
+``fleet_rps_1w``: the frontend hop against the in-process client); goals: ``goal_p50_met``
 (``fleet_vs_raw_p50`` <= 1.5), ``goal_rps_met`` (``fleet_vs_raw_rps`` >= 0.5). Ray: ``ray_measured``
 (always written), then only when it is true: ``ray_sync_rps`` (calls / wall time of the sequential
 loop), ``ray_sync_p50_us``, ``ray_sync_p99_us``, ``fleet_vs_ray_rps`` (``fleet_rps_best`` /
@@ -52,6 +59,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -135,8 +143,9 @@ def raw_peer():
 
 
 class Path:
-    """One way to make the call: ``one()`` makes a single call; ``flood(n)`` makes n calls
-    with the window in flight and returns requests/s (None: latency only)."""
+    """One way to make the call: ``one()`` makes a single call (None: throughput only);
+    ``flood(n)`` makes n calls with the window in flight and returns requests/s (None:
+    latency only)."""
 
     def __init__(self, name: str, one, flood=None):  # type: ignore[no-untyped-def]
         self.name, self.one, self.flood = name, one, flood
@@ -240,8 +249,69 @@ async def fleet(stack: contextlib.AsyncExitStack, num_workers: int, window: int)
     async def one_remote() -> None:
         await remote.generate(f"r{num_workers}-{next(ids)}", PROMPT, PARAMS)
 
-    return [Path(f"fleet_{num_workers}w", one, lanes(one, window)),
-            Path(f"remote_{num_workers}w", one_remote)], start_s
+    in_process = Path(f"fleet_{num_workers}w", one, lanes(one, window))
+    in_process.supervisor = sup  # type: ignore[attr-defined]
+    return [in_process, Path(f"remote_{num_workers}w", one_remote)], start_s
+
+
+async def remote_client_main(address: str, window: int) -> None:
+    """The client process (``--remote-client``): a RemoteClient on ``address``. Says
+    ``{"ready": true}`` once warm; then for each ``go N`` line on stdin floods N calls with
+    ``window`` in flight and answers one JSON line (requests/s, CPU seconds); ends on ``exit``
+    or end of input."""
+    loop = asyncio.get_running_loop()
+    async with RemoteClient(address) as remote:
+        ids = itertools.count()
+
+        async def one() -> None:
+            result = await remote.generate(f"p{next(ids)}", PROMPT, PARAMS)
+            if len(result.token_ids) != 1:
+                raise RuntimeError(f"expected 1 token, got {result.token_ids}")
+
+        flood = lanes(one, window)
+        await flood(window * 4)
+        print(json.dumps({"ready": True}), flush=True)
+        while True:
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+            if len(line) != 2 or line[0] != "go":
+                return
+            cpu = time.process_time()
+            rps = await flood(int(line[1]))
+            print(json.dumps({"rps": rps, "cpu_s": time.process_time() - cpu}), flush=True)
+
+
+async def remote_process(stack: contextlib.AsyncExitStack, address: str, window: int) -> Path:
+    """A RemoteClient in a child process flooding ``address``: throughput only. The child's
+    CPU per request goes into ``client_cpu`` (a list of (calls, seconds))."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, os.path.abspath(__file__), "--remote-client", address, "--window", str(window),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+
+    async def stop() -> None:
+        if proc.returncode is None:
+            with contextlib.suppress(OSError):
+                proc.stdin.write(b"exit\n")
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+    stack.push_async_callback(stop)
+    line = await asyncio.wait_for(proc.stdout.readline(), 120)
+    if not line.startswith(b"{"):
+        raise RuntimeError(f"the RemoteClient process did not start (exit {await proc.wait()})")
+
+    async def flood(n: int) -> float:
+        proc.stdin.write(f"go {n}\n".encode())
+        answer = json.loads(await asyncio.wait_for(proc.stdout.readline(), 300))
+        path.client_cpu.append((n, answer["cpu_s"]))
+        return answer["rps"]
+
+    path = Path("remote_proc_1w", None, flood)
+    path.client_cpu = []  # type: ignore[attr-defined]
+    return path
 
 
 async def measure(sizes: dict) -> dict:
@@ -254,14 +324,21 @@ async def measure(sizes: dict) -> dict:
         one_worker, start_1w = await fleet(stack, 1, window)
         four_workers, start_4w = await fleet(stack, 4, window)
         paths += one_worker + four_workers[:1]  # the frontend hop is timed with one worker
+        sup_1w = one_worker[0].supervisor  # type: ignore[attr-defined]
+        remote = await remote_process(stack, sup_1w.frontend_address, window)
+        paths.append(remote)
         for path in paths:
-            for _ in range(sizes["warmup"]):
-                await path.one()
+            if path.one:
+                for _ in range(sizes["warmup"]):
+                    await path.one()
             if path.flood:
                 await path.flood(sizes["warmup"] * 4)
-        lat: dict[str, list[float]] = {p.name: [] for p in paths}
+        remote.client_cpu.clear()
+        lat: dict[str, list[float]] = {p.name: [] for p in paths if p.one}
         for _ in range(sizes["rtt"] // BLOCK):
             for path in paths:
+                if not path.one:
+                    continue
                 samples = lat[path.name]
                 for _ in range(BLOCK):
                     t = time.perf_counter_ns()
@@ -272,9 +349,11 @@ async def measure(sizes: dict) -> dict:
             for path in paths:
                 if path.flood:
                     rps[path.name].append(await path.flood(sizes["tput"] // ROUNDS))
-    out = {name: {"lat": samples, "rps": statistics.median(rps[name]) if name in rps else None}
-           for name, samples in lat.items()}
+    out = {p.name: {"lat": lat.get(p.name), "rps": statistics.median(rps[p.name]) if p.name in rps else None}
+           for p in paths}
     out["fleet_1w"]["start_s"], out["fleet_4w"]["start_s"] = start_1w, start_4w
+    calls, seconds = map(sum, zip(*remote.client_cpu))
+    out["remote_proc_1w"]["client_us_per_req"] = seconds / calls * 1e6
     return out
 
 
@@ -337,6 +416,8 @@ def metrics(args: argparse.Namespace, sizes: dict, res: dict, ray: dict | str) -
     m["raw_pipelined_rps"] = res["raw"]["rps"]
     m["raw_async_pipelined_rps"] = res["raw_async"]["rps"]
     m["fleet_rps_1w"], m["fleet_rps_4w"] = res["fleet_1w"]["rps"], res["fleet_4w"]["rps"]
+    m["remote_rps_1w"] = res["remote_proc_1w"]["rps"]
+    m["remote_client_us_per_req"] = res["remote_proc_1w"]["client_us_per_req"]
     m["fleet_start_s_1w"], m["fleet_start_s_4w"] = res["fleet_1w"]["start_s"], res["fleet_4w"]["start_s"]
     best = max(m["fleet_rps_1w"], m["fleet_rps_4w"])
     m["fleet_rps_best"] = best
@@ -345,6 +426,8 @@ def metrics(args: argparse.Namespace, sizes: dict, res: dict, ray: dict | str) -
     # Against the same exchange driven from uvloop: what the supervisor and worker logic add.
     m["fleet_vs_raw_async_p50"] = m["fleet_rtt_p50_us"] / m["raw_async_rtt_p50_us"]
     m["fleet_vs_raw_async_rps"] = best / m["raw_async_pipelined_rps"]
+    m["remote_vs_raw_rps"] = m["remote_rps_1w"] / m["raw_pipelined_rps"]
+    m["remote_vs_fleet_rps"] = m["remote_rps_1w"] / m["fleet_rps_1w"]
     m["goal_p50_met"] = m["fleet_vs_raw_p50"] <= 1.5
     m["goal_rps_met"] = m["fleet_vs_raw_rps"] >= 0.5
     m["ray_measured"] = isinstance(ray, dict)
@@ -363,6 +446,7 @@ def report(m: dict, ray: dict | str) -> None:
         ("fleet LLMClient", 1, "fleet_rtt", "fleet_seq_rps", "fleet_rps_1w"),
         ("fleet LLMClient", 4, "fleet_rtt@4w", "fleet_seq_rps_4w", "fleet_rps_4w"),
         ("fleet RemoteClient, same process", 1, "remote_rtt", "remote_seq_rps", None),
+        ("fleet RemoteClient, own process", 1, None, None, "remote_rps_1w"),
     ]
     if isinstance(ray, dict):
         rows.append(("ray actor, sequential ray.get", "-", "ray_sync", "ray_sync_rps", None))
@@ -371,8 +455,8 @@ def report(m: dict, ray: dict | str) -> None:
         name, _, suffix = prefix.partition("@")
         return m[f"{name}_{q}_us" + (f"_{suffix}" if suffix else "")]
 
-    table = [(name, w, lat(p, "p50"), lat(p, "p99"), m[seq], m[tput] if tput else None)
-             for name, w, p, seq, tput in rows]
+    table = [(name, w, lat(p, "p50") if p else None, lat(p, "p99") if p else None, m[seq] if seq else None,
+              m[tput] if tput else None) for name, w, p, seq, tput in rows]
     if not isinstance(ray, dict):
         table.append((f"ray actor: {ray}", "-", None, None, None, None))
     print()
@@ -387,10 +471,13 @@ def report(m: dict, ray: dict | str) -> None:
     if isinstance(ray, dict):
         goals.append(("best fleet req/s / ray sequential", m["fleet_vs_ray_rps"], ">= 10", m["goal_ray_met"]))
     goals += [("fleet p50 / raw uvloop p50", m["fleet_vs_raw_async_p50"], "-", None),
-              ("best fleet req/s / raw uvloop pipelined", m["fleet_vs_raw_async_rps"], "-", None)]
+              ("best fleet req/s / raw uvloop pipelined", m["fleet_vs_raw_async_rps"], "-", None),
+              ("RemoteClient (own process) req/s / raw pipelined", m["remote_vs_raw_rps"], "-", None),
+              ("RemoteClient (own process) req/s / LLMClient, 1 worker", m["remote_vs_fleet_rps"], "-", None)]
     print_table(["ratio", "value", "goal", "met"], goals)
     print(f"\n{m['elapsed_s']:.1f} s in all; fleet start {m['fleet_start_s_1w']:.2f} s (1 worker), "
-          f"{m['fleet_start_s_4w']:.2f} s (4 workers)")
+          f"{m['fleet_start_s_4w']:.2f} s (4 workers); the RemoteClient process used "
+          f"{m['remote_client_us_per_req']:.1f} us of CPU per request")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,9 +487,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="Prompt tokens per request (2: pure overhead; try 4096 to see per-token costs).")
     parser.add_argument("--no-ray", action="store_true", help="Skip the Ray baseline even if importable.")
     parser.add_argument("--raw-server", metavar="ADDR", help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--remote-client", metavar="ADDR", help=argparse.SUPPRESS)  # the child client
     args = parser.parse_args(argv)
     if args.raw_server:
         serve_raw(args.raw_server)
+        return 0
+    if args.remote_client:
+        run_loop(remote_client_main(args.remote_client, args.window))
         return 0
     if args.window < 1 or args.prompt_len < 1:
         parser.error("--window and --prompt-len must be >= 1")
@@ -433,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                   "remote_1w": "fleet remote 1w"}
         series = {label: res[name]["lat"] for name, label in labels.items()}
         bars = {label: res[name]["rps"] for name, label in labels.items() if res[name]["rps"]}
+        bars["remote, own process 1w"] = res["remote_proc_1w"]["rps"]
         if isinstance(ray, dict):
             series["ray sync"] = ray["lat"]
             bars["ray sync"] = ray["rps"]

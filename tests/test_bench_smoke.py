@@ -28,7 +28,8 @@ common = load_common()
 REQUIRED = [
     "raw_rtt_p50_us", "raw_rtt_p99_us", "raw_pipelined_rps",
     "fleet_rtt_p50_us", "fleet_rtt_p99_us", "fleet_rtt_p50_us_4w", "fleet_rtt_p99_us_4w",
-    "fleet_rps_1w", "fleet_rps_4w", "fleet_rps_best", "remote_rtt_p50_us",
+    "fleet_rps_1w", "fleet_rps_4w", "fleet_rps_best", "remote_rtt_p50_us", "remote_rps_1w",
+    "remote_client_us_per_req", "remote_vs_raw_rps", "remote_vs_fleet_rps",
     "fleet_vs_raw_p50", "fleet_vs_raw_rps", "machine_cores", "machine_memory_gb",
 ]
 
@@ -40,6 +41,8 @@ def test_bench_rpc_quick_writes_flat_json_with_positive_metrics_and_a_plot(tmp_p
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fleet LLMClient" in proc.stdout and "raw zmq+msgpack" in proc.stdout
+    assert "RemoteClient, own process" in proc.stdout
+    assert "--remote-client" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     metrics = json.loads(out.read_text())
     for key in REQUIRED:
         value = metrics.get(key)
