@@ -28,6 +28,11 @@ as examples/torchrun_rl.py runs a fleet per rank. Same workers and requests in f
 the supervisor's work is spread over K loops. Requests/s is every rank's calls over the time
 until the last rank finished; each round makes at least 20,000 calls in all.
 
+Clients: the same fleet size as one fleet fed through its frontend by K client processes
+(``--clients``, default 1, 2, 4; ``--quick`` 1, 2), each a RemoteClient with window / K in flight,
+as agent-loop processes would share one fleet: the supervisor's loop routes every request and
+runs no client, so its CPU per request is the supervisor's own. Rounds as for the ranks.
+
 Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
 the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off so that the
@@ -60,7 +65,13 @@ largest fleet / rps with one worker), ``p99_scaling_max``, ``gbps_scaling_max``,
 ``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
 calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
 ``ranks_bottleneck_{k}r``, ``ranks_max`` (the most ranks run), ``ranks_rps_scaling_max``
-(requests/s with the most ranks / with the fewest), ``ranks_bottleneck`` (with the most).
+(requests/s with the most ranks / with the fewest), ``ranks_bottleneck`` (with the most); clients:
+``clients_workers``, ``clients_rps_{k}c``, ``clients_p99_us_{k}c``, ``clients_loop_cpu_{k}c`` (the
+supervisor's loop, cores), ``clients_loop_us_per_req_{k}c``, ``clients_cpu_{k}c`` (the client
+processes, cores), ``clients_client_us_per_req_{k}c``, ``clients_machine_busy_{k}c``,
+``clients_bottleneck_{k}c``, ``clients_max``, ``clients_rps_scaling_max`` (most clients / fewest),
+``clients_loop_cpu_max``, ``clients_bottleneck`` (with the most), ``clients_in_process_rps`` (the
+same fleet size's in-process flood above, when it ran).
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import psutil
 import torch
@@ -134,14 +146,15 @@ class CpuMeter:
 def cores_used(samples: list[dict[str, float]]) -> dict[str, float]:
     """CPU seconds summed over samples per wall second: cores used, 1.0 = one core busy."""
     wall = max(sum(s["wall"] for s in samples), 1e-9)
-    return {k: sum(s[k] for s in samples) / wall for k in ("supervisor", "loop", "workers", "machine")}
+    keys = ("supervisor", "loop", "workers", "machine") + (("clients",) if "clients" in samples[0] else ())
+    return {k: sum(s[k] for s in samples) / wall for k in keys}
 
 
 def bottleneck(cpu: dict[str, float], cores: int) -> str:
     """Where the time went, from CPU use alone (no guess from throughput)."""
     if cpu["loop"] >= LOOP_SATURATED:
         return "supervisor event loop"
-    if cpu["supervisor"] + cpu["workers"] >= MACHINE_SATURATED * cores:
+    if cpu["supervisor"] + cpu["workers"] + cpu.get("clients", 0.0) >= MACHINE_SATURATED * cores:
         return "machine cores (rollfleet)"
     if cpu["machine"] >= MACHINE_SATURATED * cores:
         return "machine cores (other work)"
@@ -291,70 +304,162 @@ async def rank_main(workers: int, window: int) -> None:
                   flush=True)
 
 
+async def start_children(argvs: list[list[str]]) -> list:
+    """This script once per argv (a hidden child mode), each answering one JSON line once ready."""
+    procs = []
+    try:
+        for argv in argvs:
+            procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, os.path.abspath(__file__), *argv,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26))
+        for proc in procs:
+            line = await asyncio.wait_for(proc.stdout.readline(), 300)
+            if not line.startswith(b"{"):
+                raise RuntimeError(f"a child process did not start (exit {await proc.wait()})")
+    except BaseException:
+        await stop_children(procs)
+        raise
+    return procs
+
+
+async def stop_children(procs: list) -> None:
+    """Tell each child to exit (end of input also does), and kill any that does not."""
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(OSError):
+                proc.stdin.write(b"exit\n")
+                proc.stdin.close()
+    for proc in procs:
+        try:
+            await asyncio.wait_for(proc.wait(), 60)
+        except asyncio.TimeoutError:
+            proc.kill()  # a rank's workers die with it (they watch their parent)
+            await proc.wait()
+
+
+async def go_round(procs: list, calls: int) -> list[dict]:
+    """Every child floods ``calls`` at once; their answers, in order."""
+    for proc in procs:
+        proc.stdin.write(f"go {calls}\n".encode())
+    return [json.loads(await proc.stdout.readline()) for proc in procs]
+
+
+def machine_busy_s(before: Any, after: Any) -> float:
+    """Busy CPU seconds of the whole machine between two psutil.cpu_times() readings."""
+    return (sum(after) - after.idle - getattr(after, "iowait", 0.0)) - (
+        sum(before) - before.idle - getattr(before, "iowait", 0.0))
+
+
+def finish_layouts(out: dict, cores: int) -> None:
+    """Each layout's rounds summed up in place, like ``totals``."""
+    for f in out.values():
+        f["num_calls"] = len(f["lat"])
+        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in f["cpu"][0] if k != "wall"}
+        f["cpu"] = cores_used(f["cpu"])
+        f["rps"] = statistics.median(f["rps"])
+        f["lat"] = summarize(f["lat"])
+        f["bottleneck"] = bottleneck(f["cpu"], cores)
+
+
+def layout_calls(sizes: dict, k: int) -> int:
+    # Rounds of at least 20,000 calls in all: a child's start and end, and the pipes that
+    # start it, stay small against the flood (quick runs make few calls per fleet size).
+    return max(sizes["tput"] // ROUNDS, 20_000) // k
+
+
 async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
     """``workers`` no-model echo workers as K ranks of a job (K in ``sizes["ranks"]``), each rank a
     process with a fleet of its own of workers / K and its own flood of window / K in flight, as
     in examples/torchrun_rl.py: the requests in flight and the workers in all stay the same, the
     supervisor's work is spread over K loops. The layouts run in turns like the fleet sizes."""
-    out: dict[int, dict] = {}
+    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in sizes["ranks"]}
     procs: dict[int, list] = {}
     try:
         for k in sizes["ranks"]:
-            procs[k] = [await asyncio.create_subprocess_exec(
-                sys.executable, os.path.abspath(__file__), "--rank-worker", str(workers // k),
-                "--window", str(max(1, sizes["window"] // k)),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26) for _ in range(k)]
-            out[k] = {"rps": [], "lat": [], "cpu": []}
-        for ps in procs.values():
-            for proc in ps:
-                line = await asyncio.wait_for(proc.stdout.readline(), 300)
-                if not line.startswith(b"{"):
-                    raise RuntimeError(f"a rank process did not start (exit {await proc.wait()})")
+            argv = ["--rank-worker", str(workers // k), "--window", str(max(1, sizes["window"] // k))]
+            procs[k] = await start_children([argv] * k)
         for r in range(ROUNDS):
             for k, ps in procs.items():
-                # Rounds of at least 20,000 calls in all: a rank's start and end, and the pipes that
-                # start it, stay small against the flood (quick runs make few calls per fleet size).
-                calls = max(sizes["tput"] // ROUNDS, 20_000) // k
+                calls = layout_calls(sizes, k)
                 machine = psutil.cpu_times()
                 t = time.perf_counter()
-                for proc in ps:
-                    proc.stdin.write(f"go {calls}\n".encode())
-                answers = [json.loads(await proc.stdout.readline()) for proc in ps]
+                answers = await go_round(ps, calls)
                 wall = time.perf_counter() - t
-                m1 = psutil.cpu_times()
-                busy = (sum(m1) - m1.idle - getattr(m1, "iowait", 0.0)) - (
-                    sum(machine) - machine.idle - getattr(machine, "iowait", 0.0))
                 f = out[k]
                 f["rps"].append(calls * k / wall)
                 f["lat"] += [x for a in answers for x in a["lat"]]
-                f["cpu"].append({"wall": wall, "machine": busy,
+                f["cpu"].append({"wall": wall, "machine": machine_busy_s(machine, psutil.cpu_times()),
                                  # the busiest rank's loop, as a share of its own flood's time
                                  "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
                                  "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
                                  "workers": sum(a["cpu"]["workers"] for a in answers)})
     finally:
         for ps in procs.values():
-            for proc in ps:
-                if proc.returncode is None:
-                    with contextlib.suppress(OSError):
-                        proc.stdin.write(b"exit\n")
-                        proc.stdin.close()
-        for ps in procs.values():
-            for proc in ps:
-                try:
-                    await asyncio.wait_for(proc.wait(), 60)
-                except asyncio.TimeoutError:
-                    proc.kill()  # its workers die with it (they watch their parent)
-                    await proc.wait()
+            await stop_children(ps)
+    finish_layouts(out, cores)
     for k, f in out.items():
-        f["num_calls"] = len(f["lat"])
-        f["cpu"] = cores_used(f["cpu"])
-        f["rps"] = statistics.median(f["rps"])
-        f["lat"] = summarize(f["lat"])
-        f["bottleneck"] = bottleneck(f["cpu"], cores)
         print(f"{workers:>3} workers as {k} rank{'s' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
               f"{f['lat']['p99']:,.0f} us, busiest loop {f['cpu']['loop']:.2f} cores, machine "
               f"{f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+    return out
+
+
+async def client_main(address: str, window: int) -> None:
+    """One client process (``--client-of``, started by clients_in_turns): a RemoteClient on a
+    fleet's frontend. Says ``{"ready": ...}`` once warm; then for each ``go N`` line floods N calls
+    and answers with one JSON line (rate, latencies, its CPU seconds); ends on ``exit`` or end of
+    input."""
+    from rollfleet.actors import RemoteClient
+
+    loop = asyncio.get_running_loop()
+    async with RemoteClient(address) as client:
+        await flood(client, 1000, window, f"warm{os.getpid()}")
+        print(json.dumps({"ready": True}), flush=True)
+        for turn in itertools.count():
+            line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+            if len(line) != 2 or line[0] != "go":
+                return
+            cpu = time.process_time()
+            rps, lat = await flood(client, int(line[1]), window, f"c{os.getpid()}-{turn}")
+            print(json.dumps({"rps": rps, "cpu_s": time.process_time() - cpu, "lat": [round(x, 1) for x in lat]}),
+                  flush=True)
+
+
+async def clients_in_turns(sizes: dict, cores: int, workers: int) -> dict:
+    """One fleet of ``workers`` no-model echo workers fed through its frontend by K client
+    processes (K in ``sizes["clients"]``), each a RemoteClient with window / K in flight, as
+    agent-loop processes would share one fleet: the supervisor's loop routes every request but
+    runs no client. The layouts run in turns like the fleet sizes."""
+    config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
+                         start_timeout_s=300)
+    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in sizes["clients"]}
+    procs: dict[int, list] = {}
+    async with Supervisor(config) as sup:
+        try:
+            for k in sizes["clients"]:
+                argv = ["--client-of", sup.frontend_address, "--window", str(max(1, sizes["window"] // k))]
+                procs[k] = await start_children([argv] * k)
+            for r in range(ROUNDS):
+                for k, ps in procs.items():
+                    calls = layout_calls(sizes, k)
+                    meter = CpuMeter(sup)
+                    meter.start()
+                    answers = await go_round(ps, calls)
+                    cpu = meter.stop()
+                    cpu["clients"] = sum(a["cpu_s"] for a in answers)
+                    f = out[k]
+                    f["rps"].append(calls * k / cpu["wall"])
+                    f["lat"] += [x for a in answers for x in a["lat"]]
+                    f["cpu"].append(cpu)
+        finally:
+            for ps in procs.values():
+                await stop_children(ps)
+    finish_layouts(out, cores)
+    for k, f in out.items():
+        print(f"{workers:>3} workers, {k} client process{'es' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
+              f"{f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} cores "
+              f"({f['cpu_s']['loop'] / f['num_calls'] * 1e6:.1f} us/req), clients {f['cpu']['clients']:.2f}, "
+              f"machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
     return out
 
 
@@ -419,9 +524,13 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     return out, memcpy
 
 
-async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, float]:
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict, float]:
     fleets = await fleets_in_turns(sizes, cores)
     ranks: dict = {}
+    clients: dict = {}
+    if sizes["clients"]:
+        workers = ranks_workers(sizes, fleets)
+        clients = {"workers": workers, "by_clients": await clients_in_turns(sizes, cores, workers)}
     if sizes["ranks"]:
         workers = ranks_workers(sizes, fleets)
         sizes["ranks"] = [k for k in sizes["ranks"] if workers % k == 0]  # the same workers in all
@@ -431,9 +540,9 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, floa
             print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
     if not sizes["receivers"]:
-        return fleets, ranks, paced, {}, 0.0
+        return fleets, ranks, clients, paced, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
-    return fleets, ranks, paced, updates, memcpy
+    return fleets, ranks, clients, paced, updates, memcpy
 
 
 def run_loop(coro):  # type: ignore[no-untyped-def]
@@ -444,7 +553,8 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def metrics(sizes: dict, fleets: dict, ranks: dict, paced: dict, updates: dict, memcpy: float) -> dict:
+def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, updates: dict,
+            memcpy: float) -> dict:
     m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
                "bucket_mb": sizes["bucket_mb"]}
     for n, f in fleets.items():
@@ -473,6 +583,22 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, paced: dict, updates: dict, 
         m["ranks_max"] = max(by)
         m["ranks_rps_scaling_max"] = by[max(by)]["rps"] / by[min(by)]["rps"]
         m["ranks_bottleneck"] = by[max(by)]["bottleneck"]
+    if clients:
+        by = clients["by_clients"]
+        m["clients_workers"] = clients["workers"]
+        if clients["workers"] in fleets:
+            m["clients_in_process_rps"] = fleets[clients["workers"]]["rps"]
+        for k, f in by.items():
+            m[f"clients_rps_{k}c"], m[f"clients_p99_us_{k}c"] = f["rps"], f["lat"]["p99"]
+            m[f"clients_loop_cpu_{k}c"], m[f"clients_cpu_{k}c"] = f["cpu"]["loop"], f["cpu"]["clients"]
+            m[f"clients_machine_busy_{k}c"] = f["cpu"]["machine"]
+            m[f"clients_loop_us_per_req_{k}c"] = f["cpu_s"]["loop"] / f["num_calls"] * 1e6
+            m[f"clients_client_us_per_req_{k}c"] = f["cpu_s"]["clients"] / f["num_calls"] * 1e6
+            m[f"clients_bottleneck_{k}c"] = f["bottleneck"]
+        m["clients_max"] = max(by)
+        m["clients_rps_scaling_max"] = by[max(by)]["rps"] / by[min(by)]["rps"]
+        m["clients_loop_cpu_max"] = max(f["cpu"]["loop"] for f in by.values())
+        m["clients_bottleneck"] = by[max(by)]["bottleneck"]
     for n, f in paced.items():
         m[f"paced_rps_{n}w"], m[f"paced_capacity_rps_{n}w"] = f["rps"], f["capacity"]
         m[f"paced_vs_capacity_{n}w"] = f["rps"] / f["capacity"]
@@ -509,7 +635,8 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, paced: dict, updates: dict, 
     return m
 
 
-def plot(path: str, fleets: dict, ranks: dict, paced: dict, updates: dict, memcpy: float, cores: int) -> bool:
+def plot(path: str, fleets: dict, ranks: dict, clients: dict, paced: dict, updates: dict, memcpy: float,
+         cores: int) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -531,6 +658,12 @@ def plot(path: str, fleets: dict, ranks: dict, paced: dict, updates: dict, memcp
                    label=f"{w} workers as K ranks", zorder=3)
         for k, f in by.items():
             ax.annotate(f"{k}r", (w, f["rps"]), textcoords="offset points", xytext=(5, 0), fontsize=7)
+    if clients:  # one fleet, its frontend fed by K client processes
+        w, by = clients["workers"], clients["by_clients"]
+        ax.scatter([w] * len(by), [f["rps"] for f in by.values()], marker="s", color="tab:purple",
+                   label=f"{w} workers, K client processes", zorder=3)
+        for k, f in by.items():
+            ax.annotate(f"{k}c", (w, f["rps"]), textcoords="offset points", xytext=(-16, 0), fontsize=7)
     ax.set_ylim(bottom=0)
     ax.set_title("echo fleet throughput")
     ax.set_ylabel("requests / s")
@@ -618,13 +751,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default=None,
                         help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "
                              "(default 1,2,4, --quick 1,2; 0 skips).")
+    parser.add_argument("--clients", default=None,
+                        help="Client processes (RemoteClient) to feed one no-model fleet through its frontend "
+                             "(default 1,2,4, --quick 1,2; 0 skips).")
     parser.add_argument("--ranks-workers", type=int, default=None,
-                        help="Workers in all for the ranks run (default: the fleet size of 2 or more whose loop "
-                             "was busiest).")
+                        help="Workers in all for the ranks and clients runs (default: the fleet size of 2 or more "
+                             "whose loop was busiest).")
     parser.add_argument("--rank-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_worker:
         run_loop(rank_main(args.rank_worker, args.window))
+        return 0
+    if args.client_of:
+        run_loop(client_main(args.client_of, args.window))
         return 0
     if args.quick:
         sizes = {"workers": "1,2,4,8,16", "tput": 6000, "warmup": 500, "seq": 300, "weights_mb": 256,
@@ -642,8 +782,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
         ranks = args.ranks if args.ranks is not None else ("1,2" if args.quick else "1,2,4")
         sizes["ranks"] = sorted({int(x) for x in ranks.split(",") if x and x != "0"})
+        clients = args.clients if args.clients is not None else ("1,2" if args.quick else "1,2,4")
+        sizes["clients"] = sorted({int(x) for x in clients.split(",") if x and x != "0"})
     except ValueError:
-        parser.error("--workers, --receivers and --ranks take comma-separated integers")
+        parser.error("--workers, --receivers, --ranks and --clients take comma-separated integers")
+    if sizes["clients"] and min(sizes["clients"]) < 1:
+        parser.error("--clients must be >= 1 (0 skips)")
     if min(sizes["workers"]) < 1 or (sizes["receivers"] and min(sizes["receivers"]) < 1) or args.window < 1:
         parser.error("worker counts and --window must be >= 1")
     if sizes["ranks"] and (min(sizes["ranks"]) < 1 or (args.ranks_workers is not None and args.ranks_workers < 2)):
@@ -665,8 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: the load average is other work, not ours
     cores = machine["machine_cores"]
     t0 = time.perf_counter()
-    fleets, ranks, paced, updates, memcpy = run_loop(measure(sizes, cores))
-    m = metrics(sizes, fleets, ranks, paced, updates, memcpy)
+    fleets, ranks, clients, paced, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, ranks, clients, paced, updates, memcpy)
     m["quick"] = args.quick
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
@@ -689,6 +833,16 @@ def main(argv: list[str] | None = None) -> int:
                       f["cpu"]["machine"], f["bottleneck"]) for k, f in sorted(ranks["by_ranks"].items())],
                     title=f"{ranks['workers']} no-model echo workers as K ranks, a fleet and a flood of "
                           f"{args.window}/K in flight each")
+    if clients:
+        print()
+        print_table(["client processes", "req/s", "vs fewest", "p99 us", "loop cores", "loop us/req", "sup. cores",
+                     "workers cores", "clients cores", "client us/req", "machine busy", "bottleneck"],
+                    [(k, f["rps"], f["rps"] / clients["by_clients"][min(clients["by_clients"])]["rps"],
+                      f["lat"]["p99"], f["cpu"]["loop"], m[f"clients_loop_us_per_req_{k}c"], f["cpu"]["supervisor"],
+                      f["cpu"]["workers"], f["cpu"]["clients"], m[f"clients_client_us_per_req_{k}c"],
+                      f["cpu"]["machine"], f["bottleneck"]) for k, f in sorted(clients["by_clients"].items())],
+                    title=f"one fleet of {clients['workers']} no-model echo workers fed through its frontend by K "
+                          f"RemoteClient processes, {args.window}/K in flight each")
     if paced:
         p = sizes["paced"]
         print()
@@ -708,12 +862,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"(memcpy of the same bytes: {memcpy:.2f} GB/s)")
     print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']} "
           f"(no model), {m.get('paced_bottleneck', 'not run')} (engine-paced)"
-          + (f"; {m['ranks_workers']} workers as {m['ranks_max']} ranks: {m['ranks_bottleneck']}" if ranks else ""))
+          + (f"; {m['ranks_workers']} workers as {m['ranks_max']} ranks: {m['ranks_bottleneck']}" if ranks else "")
+          + (f"; fed by {m['clients_max']} client processes: {m['clients_bottleneck']}" if clients else ""))
     if args.json:
         write_json(args.json, m)
         print(f"wrote {args.json}")
     png = png_path(args)
-    if png and plot(png, fleets, ranks, paced, updates, memcpy, cores):
+    if png and plot(png, fleets, ranks, clients, paced, updates, memcpy, cores):
         print(f"wrote {png}")
     return 0
 

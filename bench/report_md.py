@@ -20,7 +20,7 @@ OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 # Units by key suffix, longest first; ratios get an "x".
 UNITS = [("us", "us"), ("ms", "ms"), ("gbps", "GB/s"), ("rps", "req/s"), ("tps", "tok/s"), ("s", "s")]
 # What may follow the unit in a key: a fleet size, a bucket size, a strategy.
-TAIL = r"(_\d+w|_\d+r|_\d+mb|_resume|_restart|_best)?$"
+TAIL = r"(_\d+w|_\d+r|_\d+c|_\d+mb|_resume|_restart|_best)?$"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,7 +95,7 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
     rows = []
     for n in ns:
         head = row.headline and n == ns[-1] and n != 1
-        label = re.sub(r"\b1 (worker|receiver|rank)s\b", r"1 \1", row.label.format(n=n))
+        label = re.sub(r"\b1 (worker|receiver|rank|client process)(?:es|s)\b", r"1 \1", row.label.format(n=n))
         rows.append((Row(label=label, key=row.key.format(n=n),
                          baseline=row.baseline and row.baseline.format(n=n), against=row.against,
                          ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu,
@@ -210,6 +210,24 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             f"core, and with {r} ranks the limit was: {where}"
             + (f" ({m.get(f'ranks_machine_busy_{r}r', 0):.2f} of {cores} cores busy)." if where.startswith("machine")
                else "."))
+    cs = sizes_in(m, "clients_rps_", "c")
+    if cs and "clients_workers" in m:
+        c, w = cs[-1], m["clients_workers"]
+        where = m.get(f"clients_bottleneck_{c}c", "")
+
+        def each(key: str, form: str) -> str:
+            return ", ".join(format(m[f"clients_{key}_{k}c"], form) for k in cs)
+
+        text.append(
+            f"Fed through its frontend by client processes instead (RemoteClient, as agent-loop processes would "
+            f"share one fleet), one fleet of the same {w} workers served "
+            f"{', '.join(fmt('_rps', m[f'clients_rps_{k}c']) for k in cs)} with {', '.join(map(str, cs))} client "
+            f"process{'es' if len(cs) > 1 or cs[0] > 1 else ''}. Its loop, which then routes requests and runs no "
+            f"client, spent {each('loop_us_per_req', '.0f')} us of CPU a request and was busy "
+            f"{each('loop_cpu', '.2f')} of a core; the client processes spent {each('client_us_per_req', '.0f')} us "
+            f"a request; with {c} the limit was: {where}"
+            + (f" (machine busy {m.get(f'clients_machine_busy_{c}c', 0):.2f} of its {cores} cores)."
+               if where == "none saturated" or where.startswith("machine") else "."))
     ps = sizes_in(m, "paced_rps_")
     if ps and "paced_loop_ceiling_workers" in m:
         p = ps[-1]

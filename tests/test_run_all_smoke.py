@@ -60,7 +60,16 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert metrics[f"ranks_rps_{k}r"] > 0 and metrics[f"ranks_p99_us_{k}r"] > 0
         assert 0 < metrics[f"ranks_loop_cpu_max_{k}r"] <= 1.05 and metrics[f"ranks_bottleneck_{k}r"]
     assert metrics["ranks_rps_scaling_max"] == pytest.approx(metrics["ranks_rps_2r"] / metrics["ranks_rps_1r"])
-    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if "--rank-worker" in (p.info["cmdline"] or [])]
+    # The same 2 workers as one fleet fed through its frontend by 1 and 2 client processes.
+    assert metrics["clients_workers"] == 2 and metrics["clients_max"] == 2
+    for k in (1, 2):
+        assert metrics[f"clients_rps_{k}c"] > 0 and metrics[f"clients_p99_us_{k}c"] > 0
+        assert 0 < metrics[f"clients_loop_cpu_{k}c"] <= 1.05 and metrics[f"clients_cpu_{k}c"] > 0
+        assert metrics[f"clients_loop_us_per_req_{k}c"] > 0 and metrics[f"clients_bottleneck_{k}c"]
+    assert metrics["clients_in_process_rps"] == metrics["rps_2w"]
+    leftover = ("--rank-worker", "--client-of")
+    assert not [p.pid for p in psutil.process_iter(["cmdline"])
+                if any(flag in (p.info["cmdline"] or []) for flag in leftover)]
     text = report.read_text()
     assert text.startswith("# Benchmark results")
     assert "| figure | value | baseline | baseline value | ratio | goal | met |" in text
@@ -69,6 +78,8 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     assert "| engine-paced throughput, 2 workers |" in text
     assert "| no-model throughput, the busiest fleet's workers as 2 ranks (a fleet each) |" in text
     assert "| the same workers as 1 rank |" in text and "Spread over ranks" in text
+    assert "| no-model throughput, one fleet fed by 1 client process (RemoteClient) |" in text
+    assert "| the same fleet driven by its in-process client |" in text and "Fed through its frontend" in text
     assert "`bench_rpc`: not run: not selected" in text
     assert "| A | " in text  # the machines table names this machine
     if (out / "bench_scaling.png").exists():  # matplotlib is an optional extra
