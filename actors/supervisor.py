@@ -79,6 +79,9 @@ _LENGTH = FinishReason.LENGTH.value
 # Clients remembered as taking batches (hello with batch): the oldest are forgotten past this
 # many, and get their messages one to a frame again, which they read as well.
 MAX_BATCH_CLIENTS = 1 << 16
+# A client's batch holds at most this many messages (rollfleet sends 32): one frame may not hold
+# the loop for seconds. A bigger one is refused whole.
+MAX_CLIENT_BATCH = 1024
 
 
 class Supervisor:
@@ -976,6 +979,12 @@ class Supervisor:
         elif identity not in self._batch_clients:
             self._reply_client(identity, Error(id=msg.id, code="unknown_type",
                                                message="a client sends 'batch' only after 'hello' with batch: true"))
+        elif len(msg.messages) > MAX_CLIENT_BATCH:
+            self._drops.log("client_batch_too_large", logging.WARNING, "refused a client batch of %d messages",
+                            len(msg.messages))
+            self._reply_client(identity, Error(id=msg.id, code="too_large",
+                                               message=f"a batch of {len(msg.messages)} messages: a client's batch "
+                                                       f"holds at most {MAX_CLIENT_BATCH}"))
         else:
             for item in codec.unbatch(msg):
                 if isinstance(item, codec.DecodeError):  # answered like a bad frame; the others still run

@@ -88,6 +88,16 @@ async def test_hello_with_batch_packs_answers_and_takes_batches_one_bad_message_
             assert any(f["type"] == "batch" for f in raw.frames)
             assert len(raw.frames) < 200
             assert sup.counters["completed"] == 198
+
+            # more than a client's batch may hold: refused whole, and nothing in it runs
+            big = [generate(f"big{i}", [1], 1) for i in range(1025)]
+            await raw.send(codec.batch_frame(big))
+            refused = (await raw.answers({""}))[""]
+            assert refused["type"] == "error" and refused["code"] == "too_large"
+            await raw.send(codec.batch_frame(big[:1024]))  # the most it may hold
+            got = await raw.answers({f"big{i}" for i in range(1024)})
+            assert all(got[f"big{i}"]["type"] == "result" for i in range(1024))
+            assert sup.counters["completed"] == 198 + 1024
         finally:
             raw.close()
 
@@ -105,7 +115,12 @@ async def test_a_client_that_never_said_hello_never_receives_a_batch_and_its_bat
             got = await raw.answers(set(ids))
             assert all(got[rid]["token_ids"] == echo_tokens([i + 1], 2) for i, rid in enumerate(ids))
             assert [f["type"] for f in raw.frames] == ["result"] * 300
+            raw.frames.clear()
 
+            # a hello of the wrong shape is bad input like any other
+            await raw.send(msgpack.packb({"v": 1, "type": "hello", "id": "hx", "batch": "yes"}))
+            bad = (await raw.answers({"hx"}))["hx"]
+            assert bad["type"] == "error" and bad["code"] == "bad_field"
             # hello without batch: the answer says no, and a batch is still refused whole
             await raw.send(codec.encode(Hello(id="h0", batch=False)))
             assert (await raw.answers({"h0"}))["h0"]["data"] == {"batch": False}
