@@ -634,8 +634,11 @@ class Supervisor:
         stream: bool = False,
         session_id: str | None = None,
         resume: bool | None = None,
+        owned: bool = False,
     ) -> Entry:
-        """Start a request; its chunks/result/error go to ``sink``.
+        """Start a request; its chunks/result/error go to ``sink``. ``owned``: the caller hands
+        over ``prompt_ids`` and ``params`` (made for this request alone, e.g. just decoded), so
+        the fleet keeps them as they are instead of private copies.
 
         Raises FleetClosed, DuplicateRequest, Overloaded, InvalidRequest.
         """
@@ -647,8 +650,9 @@ class Supervisor:
         entry = Entry(
             origin=origin,
             request_id=request_id,
-            prompt_ids=list(prompt_ids),
-            params=params.replace(),  # a private deep copy: callers' objects are never mutated
+            prompt_ids=prompt_ids if owned else list(prompt_ids),
+            # a private deep copy: callers' objects are never mutated
+            params=params if owned else params.replace(),
             sink=sink,
             stream=stream,
             session_id=session_id,
@@ -1000,7 +1004,7 @@ class Supervisor:
                 self._reply_client(identity, out)
             try:
                 self.submit(origin, msg.id, msg.prompt_ids, msg.sampling, sink,
-                            stream=msg.stream, session_id=msg.session_id, resume=msg.resume)
+                            stream=msg.stream, session_id=msg.session_id, resume=msg.resume, owned=True)
             except RolloutError as exc:
                 self._reply_client(identity, Error(id=msg.id, code=exc.code, message=str(exc), request_id=msg.id))
         elif isinstance(msg, Abort):
