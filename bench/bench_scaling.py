@@ -367,36 +367,52 @@ def layout_calls(sizes: dict, k: int) -> int:
     return max(sizes["tput"] // ROUNDS, 20_000) // k
 
 
+async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, metered) -> dict:  # type: ignore[no-untyped-def]
+    """Each layout K runs K child processes (``argv(K)``: their command line, a hidden mode of
+    this script); then rounds of floods by each layout's children, the layouts in turns like
+    the fleet sizes; ``metered(children, calls)`` runs one round and returns the children's
+    answers and the round's CPU seconds (with its wall time). Summed up per layout; no child
+    outlives it."""
+    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in layouts}
+    procs: dict[int, list] = {}
+    try:
+        for k in layouts:
+            procs[k] = await start_children([argv(k)] * k)
+        for _ in range(ROUNDS):
+            for k, ps in procs.items():
+                calls = layout_calls(sizes, k)
+                answers, cpu = await metered(ps, calls)
+                f = out[k]
+                f["rps"].append(calls * k / cpu["wall"])
+                f["lat"] += [x for a in answers for x in a["lat"]]
+                f["cpu"].append(cpu)
+    finally:
+        await stop_children([p for ps in procs.values() for p in ps])
+    finish_layouts(out, cores)
+    return out
+
+
 async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
     """``workers`` no-model echo workers as K ranks of a job (K in ``sizes["ranks"]``), each rank a
     process with a fleet of its own of workers / K and its own flood of window / K in flight, as
     in examples/torchrun_rl.py: the requests in flight and the workers in all stay the same, the
     supervisor's work is spread over K loops. The layouts run in turns like the fleet sizes."""
-    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in sizes["ranks"]}
-    procs: dict[int, list] = {}
-    try:
-        for k in sizes["ranks"]:
-            argv = ["--rank-worker", str(workers // k), "--window", str(max(1, sizes["window"] // k))]
-            procs[k] = await start_children([argv] * k)
-        for r in range(ROUNDS):
-            for k, ps in procs.items():
-                calls = layout_calls(sizes, k)
-                machine = psutil.cpu_times()
-                t = time.perf_counter()
-                answers = await go_round(ps, calls)
-                wall = time.perf_counter() - t
-                f = out[k]
-                f["rps"].append(calls * k / wall)
-                f["lat"] += [x for a in answers for x in a["lat"]]
-                f["cpu"].append({"wall": wall, "machine": machine_busy_s(machine, psutil.cpu_times()),
-                                 # the busiest rank's loop, as a share of its own flood's time
-                                 "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
-                                 "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
-                                 "workers": sum(a["cpu"]["workers"] for a in answers)})
-    finally:
-        for ps in procs.values():
-            await stop_children(ps)
-    finish_layouts(out, cores)
+
+    async def metered(ps: list, calls: int) -> tuple[list[dict], dict]:
+        machine = psutil.cpu_times()
+        t = time.perf_counter()
+        answers = await go_round(ps, calls)
+        wall = time.perf_counter() - t
+        return answers, {"wall": wall, "machine": machine_busy_s(machine, psutil.cpu_times()),
+                         # the busiest rank's loop, as a share of its own flood's time
+                         "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
+                         "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
+                         "workers": sum(a["cpu"]["workers"] for a in answers)}
+
+    def argv(k: int) -> list[str]:
+        return ["--rank-worker", str(workers // k), "--window", str(max(1, sizes["window"] // k))]
+
+    out = await layouts_in_turns(sizes["ranks"], argv, sizes, cores, metered)
     for k, f in out.items():
         print(f"{workers:>3} workers as {k} rank{'s' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
               f"{f['lat']['p99']:,.0f} us, busiest loop {f['cpu']['loop']:.2f} cores, machine "
@@ -432,29 +448,20 @@ async def clients_in_turns(sizes: dict, cores: int, workers: int) -> dict:
     runs no client. The layouts run in turns like the fleet sizes."""
     config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
                          start_timeout_s=300)
-    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in sizes["clients"]}
-    procs: dict[int, list] = {}
     async with Supervisor(config) as sup:
-        try:
-            for k in sizes["clients"]:
-                argv = ["--client-of", sup.frontend_address, "--window", str(max(1, sizes["window"] // k))]
-                procs[k] = await start_children([argv] * k)
-            for r in range(ROUNDS):
-                for k, ps in procs.items():
-                    calls = layout_calls(sizes, k)
-                    meter = CpuMeter(sup)
-                    meter.start()
-                    answers = await go_round(ps, calls)
-                    cpu = meter.stop()
-                    cpu["clients"] = sum(a["cpu_s"] for a in answers)
-                    f = out[k]
-                    f["rps"].append(calls * k / cpu["wall"])
-                    f["lat"] += [x for a in answers for x in a["lat"]]
-                    f["cpu"].append(cpu)
-        finally:
-            for ps in procs.values():
-                await stop_children(ps)
-    finish_layouts(out, cores)
+
+        async def metered(ps: list, calls: int) -> tuple[list[dict], dict]:
+            meter = CpuMeter(sup)
+            meter.start()
+            answers = await go_round(ps, calls)
+            cpu = meter.stop()
+            cpu["clients"] = sum(a["cpu_s"] for a in answers)
+            return answers, cpu
+
+        def argv(k: int) -> list[str]:
+            return ["--client-of", sup.frontend_address, "--window", str(max(1, sizes["window"] // k))]
+
+        out = await layouts_in_turns(sizes["clients"], argv, sizes, cores, metered)
     for k, f in out.items():
         print(f"{workers:>3} workers, {k} client process{'es' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
               f"{f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} cores "
