@@ -13,6 +13,10 @@
 //   abort ID | stats | control OP
 //   raw ANSWER_ID HEX                     send HEX as a header frame; print the answer with
 //                                         id ANSWER_ID ("-" for the empty id)
+//   hello                                 say hello with batch: true (PROTOCOL.md 4.1); answers
+//                                         may then come several to a frame
+//   batch PREFIX N PROMPT [options]       (after hello) N generates PREFIX0..PREFIX{N-1} in one
+//                                         batch frame; prints their results in order
 // PROMPT is comma-separated token ids ("-" for none); sampling is greedy unless told.
 "use strict";
 
@@ -35,7 +39,10 @@ class ProtocolError extends Error {
 
 // Decode one header frame and check what every message must have: a map with v, type, id.
 function decodeHeader(frame) {
-  const msg = decode(frame);
+  return checkHeader(decode(frame));
+}
+
+function checkHeader(msg) {
   if (msg === null || typeof msg !== "object" || Array.isArray(msg) || msg instanceof Uint8Array) {
     throw new Error("header is not a map");
   }
@@ -57,6 +64,8 @@ class Client {
     this.requests = new Map(); // request id -> {onChunk, resolve, reject}
     this.calls = new Map(); // call id -> {resolve, reject, raw}
     this.nextCall = 1;
+    this.framesReceived = 0;
+    this.batches = false; // the fleet agreed to batches (hello)
     this.sending = Promise.resolve(); // zeromq allows one send at a time: sends are chained
     this.closed = false;
   }
@@ -79,6 +88,7 @@ class Client {
 
   _onFrames(frames) {
     // (header, *buffers): the frontend sends no buffers, extra frames are ignored.
+    this.framesReceived += 1;
     let msg;
     try {
       msg = decodeHeader(frames[0]);
@@ -86,6 +96,24 @@ class Client {
       process.stderr.write(`rollfleet client: dropped a bad message: ${err.message}\n`);
       return;
     }
+    if (msg.type !== "batch") {
+      this._onMessage(msg);
+      return;
+    }
+    // A batch (only after hello with batch: true): its messages, in order, each checked alone.
+    for (const item of Array.isArray(msg.messages) ? msg.messages : []) {
+      let inner;
+      try {
+        inner = checkHeader(item);
+      } catch (err) {
+        process.stderr.write(`rollfleet client: dropped a bad message in a batch: ${err.message}\n`);
+        continue;
+      }
+      this._onMessage(inner);
+    }
+  }
+
+  _onMessage(msg) {
     const call = this.calls.get(msg.id);
     if (call && (call.raw || msg.type === "reply" || msg.type === "error")) {
       this.calls.delete(msg.id);
@@ -155,6 +183,33 @@ class Client {
 
   stats() {
     return this._call("stats", {});
+  }
+
+  // Ask for batches both ways; resolves with the reply's data ({batch: true} from a fleet
+  // that sends them).
+  async hello() {
+    const data = await this._call("hello", { batch: true });
+    this.batches = data.batch === true;
+    return data;
+  }
+
+  // Several generates in one batch frame (only after hello said batch: true). Resolves with
+  // their results in the order given; rejects with the first error.
+  generateMany(requests) {
+    if (!this.batches) return Promise.reject(new Error("the fleet has not agreed to batches (hello first)"));
+    const promises = requests.map(({ id }) => new Promise((resolve, reject) => {
+      this.requests.set(id, { onChunk: null, resolve, reject });
+    }));
+    const messages = requests.map(({ id, promptIds, sampling }) => (
+      { v: PROTOCOL_VERSION, type: "generate", id, prompt_ids: promptIds, sampling }));
+    this._send(encodeMessage("batch", "", { messages })).catch((err) => {
+      for (const { id } of requests) {
+        const req = this.requests.get(id);
+        this.requests.delete(id);
+        if (req) req.reject(err);
+      }
+    });
+    return Promise.all(promises);
   }
 
   control(op, args = {}) {
@@ -259,6 +314,19 @@ async function runLine(client, line) {
       return { cmd, op: positional[0], reply: await client.control(positional[0]) };
     } catch (err) {
       return { cmd, op: positional[0], error: errorView(err) };
+    }
+  }
+  if (cmd === "hello") return { cmd, reply: await client.hello() };
+  if (cmd === "batch") {
+    const [prefix, count, prompt] = [positional[0], Number(positional[1]), tokens(positional[2])];
+    const requests = Array.from({ length: count }, (_, i) => (
+      { id: `${prefix}${i}`, promptIds: [...prompt, i], sampling: samplingOf(options) }));
+    const framesBefore = client.framesReceived;
+    try {
+      const results = (await client.generateMany(requests)).map(resultView);
+      return { cmd, results, frames: client.framesReceived - framesBefore };
+    } catch (err) {
+      return { cmd, error: errorView(err) };
     }
   }
   if (cmd === "raw") {
