@@ -978,11 +978,10 @@ class Supervisor:
             self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
             self._reply_client(identity, codec.error_for(exc))
             return
+        # A batch is taken from any client (hello or not: one the fleet forgot, e.g. after a restart,
+        # keeps working); batches go only to clients that said hello with batch.
         if type(msg) is not Batch:
             self._on_client_message(identity, msg)
-        elif identity not in self._batch_clients:
-            self._reply_client(identity, Error(id=msg.id, code="unknown_type",
-                                               message="a client sends 'batch' only after 'hello' with batch: true"))
         elif len(msg.messages) > MAX_CLIENT_BATCH:
             self._drops.log("client_batch_too_large", logging.WARNING, "refused a client batch of %d messages",
                             len(msg.messages))

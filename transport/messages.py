@@ -69,8 +69,8 @@ class MsgType(str, enum.Enum):
     WEIGHTS_BEGIN = "weights_begin"
     WEIGHTS_BUCKET = "weights_bucket"
     WEIGHTS_END = "weights_end"
-    # worker <-> supervisor, either way, and client <-> supervisor after a hello: several
-    # messages in one frame
+    # worker <-> supervisor either way, client -> supervisor, and supervisor -> client after a
+    # hello: several messages in one frame
     BATCH = "batch"
     # client -> supervisor, optional: what the client can take
     HELLO = "hello"
@@ -441,7 +441,7 @@ class WeightsEnd(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Batch(Message):
     """Several messages for one peer in one frame, in the order they were sent: between a
-    worker and its supervisor, and between a client and the supervisor once the client said
+    worker and its supervisor, from a client to the supervisor, and back to a client that said
     ``hello`` with ``batch``. ``codec.unbatch`` checks and decodes each one on its own."""
 
     TYPE: ClassVar[MsgType] = MsgType.BATCH
@@ -457,8 +457,7 @@ class Hello(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     batch: bool = False
-    """The client decodes ``batch`` messages: the supervisor may then pack what it sends it,
-    and takes batches from it."""
+    """The client decodes ``batch`` messages: the supervisor may then pack what it sends it."""
 
 
 MESSAGE_CLASSES: dict[str, type[Message]] = {

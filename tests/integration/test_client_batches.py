@@ -5,6 +5,7 @@ supervisor, real echo workers, raw ZeroMQ clients written from PROTOCOL.md, and 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import msgpack
 import pytest
@@ -102,7 +103,7 @@ async def test_hello_with_batch_packs_answers_and_takes_batches_one_bad_message_
             raw.close()
 
 
-async def test_a_client_that_never_said_hello_never_receives_a_batch_and_its_batches_are_refused():
+async def test_a_client_that_never_said_hello_never_receives_a_batch_but_may_send_them():
     async with fleet() as sup:
         raw = RawClient(sup.frontend_address)
         other = RawClient(sup.frontend_address)
@@ -110,8 +111,12 @@ async def test_a_client_that_never_said_hello_never_receives_a_batch_and_its_bat
             await other.send(codec.encode(Hello(id="h", batch=True)))  # another client's hello is not this one's
             await other.answers({"h"})
             ids = [f"p{i}" for i in range(300)]
-            for i, rid in enumerate(ids):
+            for i, rid in enumerate(ids[:150]):
                 await raw.send(generate(rid, [i + 1], 2))
+            # its batches are taken all the same (as from a client the fleet forgot after a restart)
+            for start in range(150, 300, 50):
+                await raw.send(codec.batch_frame([generate(rid, [i + 1], 2)
+                                                  for i, rid in enumerate(ids) if start <= i < start + 50]))
             got = await raw.answers(set(ids))
             assert all(got[rid]["token_ids"] == echo_tokens([i + 1], 2) for i, rid in enumerate(ids))
             assert [f["type"] for f in raw.frames] == ["result"] * 300
@@ -121,14 +126,13 @@ async def test_a_client_that_never_said_hello_never_receives_a_batch_and_its_bat
             await raw.send(msgpack.packb({"v": 1, "type": "hello", "id": "hx", "batch": "yes"}))
             bad = (await raw.answers({"hx"}))["hx"]
             assert bad["type"] == "error" and bad["code"] == "bad_field"
-            # hello without batch: the answer says no, and a batch is still refused whole
+            # hello without batch: the answer says no, and answers still come one to a frame
             await raw.send(codec.encode(Hello(id="h0", batch=False)))
             assert (await raw.answers({"h0"}))["h0"]["data"] == {"batch": False}
-            await raw.send(codec.batch_frame([generate("inside", [1], 1)]))
-            refused = msgpack.unpackb(await asyncio.wait_for(raw.sock.recv(), 10), raw=False)
-            assert refused["type"] == "error" and refused["code"] == "unknown_type"
-            await asyncio.sleep(0.2)
-            assert sup.counters["completed"] == 300  # the request inside the refused batch never ran
+            await raw.send(codec.batch_frame([generate(f"after{i}", [i + 1], 1) for i in range(40)]))
+            await raw.answers({f"after{i}" for i in range(40)})
+            assert {f["type"] for f in raw.frames} == {"error", "reply", "result"}
+            assert sup.counters["completed"] == 340
         finally:
             raw.close()
             other.close()
@@ -198,3 +202,21 @@ async def test_remote_client_talks_to_a_fleet_without_hello_one_message_to_a_fra
         task.cancel()
         server.close(0)
         ctx.term()
+
+
+async def test_remote_client_keeps_working_when_the_fleet_restarts_and_forgets_its_hello():
+    with socket.socket() as probe:  # a free port both fleets bind in turn
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 0},
+                         frontend_addr=f"tcp://127.0.0.1:{port}")
+    async with RemoteClient(f"tcp://127.0.0.1:{port}") as client:
+        async with Supervisor(config):
+            first = await asyncio.gather(*(client.generate(f"a{i}", [i + 1], SamplingParams(max_tokens=2), timeout=20)
+                                           for i in range(100)))
+            assert [r.token_ids for r in first] == [echo_tokens([i + 1], 2) for i in range(100)]
+            assert client._batch is True
+        async with Supervisor(config):  # a new fleet on the same address: it never heard this client's hello
+            again = await asyncio.gather(*(client.generate(f"b{i}", [i + 1], SamplingParams(max_tokens=2), timeout=20)
+                                           for i in range(100)))
+            assert [r.token_ids for r in again] == [echo_tokens([i + 1], 2) for i in range(100)]

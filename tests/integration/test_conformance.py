@@ -265,13 +265,16 @@ async def test_node_and_c_clients_get_what_the_python_client_gets(tools, server)
 
 
 def test_node_client_says_hello_then_sends_and_reads_batches(tools, server):
-    """PROTOCOL.md 4.1 hello and 4.3 batch from a second language: 100 generates in one batch
-    frame, their answers read out of batch frames, every result right."""
-    script = "hello\nbatch b 100 3,4 max_tokens=2\nstats\n"
+    """PROTOCOL.md 4.1 hello and 4.3 batch from a second language: 10 generates in one batch
+    frame before hello (answers one to a frame), then 100 after it, their answers read out of
+    batch frames; every result right."""
+    script = "batch a 10 1,2 max_tokens=1\nhello\nbatch b 100 3,4 max_tokens=2\nstats\n"
     out = subprocess.run(["node", tools["node"], "run", server], input=script, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    hello, batch, stats = (json.loads(line) for line in out.stdout.splitlines())
+    before, hello, batch, stats = (json.loads(line) for line in out.stdout.splitlines())
+    assert [r["token_ids"] for r in before["results"]] == [echo_tokens([1, 2, i], 1) for i in range(10)]
+    assert before["frames"] == 10
     assert hello == {"cmd": "hello", "reply": {"batch": True}}
     assert "error" not in batch, batch
     assert [r["token_ids"] for r in batch["results"]] == [echo_tokens([3, 4, i], 2) for i in range(100)]

@@ -280,8 +280,9 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
                 ([msgpack.packb({"v": 1, "type": "heartbeat", "id": "3"})], "unknown_type"),
                 ([msgpack.packb({"v": 1, "type": "abort", "id": "4", "request_id": "ghost"})], "unknown_request"),
                 ([msgpack.packb({"v": 1, "type": "control", "id": "5", "op": "reboot"})], "unknown_op"),
-                # batches are for workers: refused whole, the generate inside it never runs
-                ([codec.batch_frame([codec.encode(Generate(id="6", prompt_ids=[1]))])], "unknown_type"),
+                # a bad request inside a batch is answered like a bad frame of its own
+                ([codec.batch_frame([msgpack.packb({"v": 1, "type": "generate", "id": "6", "prompt_ids": "x"})])],
+                 "bad_field"),
             ]
             for frames, code in cases:
                 await sock.send_multipart(frames)
@@ -291,7 +292,7 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
             sock.close(0)
             ctx.term()
         assert (await running).token_ids == expected_tokens([4], 30)
-        assert sup.counters["completed"] == 1  # "keep" alone: nothing in the refused batch ran
+        assert sup.counters["completed"] == 1  # "keep" alone: none of the bad requests ran
 
 
 def test_device_env_is_safe_and_maps_visible_devices():

@@ -15,8 +15,9 @@
 //                                         id ANSWER_ID ("-" for the empty id)
 //   hello                                 say hello with batch: true (PROTOCOL.md 4.1); answers
 //                                         may then come several to a frame
-//   batch PREFIX N PROMPT [options]       (after hello) N generates PREFIX0..PREFIX{N-1} in one
-//                                         batch frame; prints their results in order
+//   batch PREFIX N PROMPT [options]       N generates PREFIX0..PREFIX{N-1} (prompt PROMPT,i) in
+//                                         one batch frame; prints their results in order and
+//                                         how many frames brought the answers
 // PROMPT is comma-separated token ids ("-" for none); sampling is greedy unless told.
 "use strict";
 
@@ -193,10 +194,10 @@ class Client {
     return data;
   }
 
-  // Several generates in one batch frame (only after hello said batch: true). Resolves with
-  // their results in the order given; rejects with the first error.
+  // Several generates in one batch frame (any client may send one; answers come in batches
+  // only after hello). Resolves with their results in the order given; rejects with the first
+  // error.
   generateMany(requests) {
-    if (!this.batches) return Promise.reject(new Error("the fleet has not agreed to batches (hello first)"));
     const promises = requests.map(({ id }) => new Promise((resolve, reject) => {
       this.requests.set(id, { onChunk: null, resolve, reject });
     }));
