@@ -275,6 +275,9 @@ class RemoteClient(_Base):
         await self.close()
 
     async def close(self) -> None:
+        """Close the socket. Calls still waiting for an answer end with FleetClosed (their
+        requests keep running on the fleet, as after any disconnect: abort what you no longer
+        need first)."""
         if self._closed:
             return
         self._closed = True
@@ -285,6 +288,13 @@ class RemoteClient(_Base):
         else:
             self._sock.close(linger=0)
         self._ctx.term()
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(Error(id=request_id, code=FleetClosed.code, message="client closed", request_id=request_id))
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(FleetClosed("client closed"))
 
     def _socket(self) -> LoopSocket:
         if self._closed:

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.engines.echo import echo_tokens
+from rollfleet.errors import FleetClosed
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, Hello, SamplingParams
 
@@ -220,3 +221,27 @@ async def test_remote_client_keeps_working_when_the_fleet_restarts_and_forgets_i
             again = await asyncio.gather(*(client.generate(f"b{i}", [i + 1], SamplingParams(max_tokens=2), timeout=20)
                                            for i in range(100)))
             assert [r.token_ids for r in again] == [echo_tokens([i + 1], 2) for i in range(100)]
+
+
+async def test_closing_a_remote_client_ends_its_waiting_calls_with_fleet_closed():
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 20})) as sup:
+        client = RemoteClient(sup.frontend_address)
+        await client.generate("warm", [1], SamplingParams(max_tokens=1))  # hello done
+        waiting = [asyncio.create_task(client.generate(f"long{i}", [1], SamplingParams(max_tokens=1000)))
+                   for i in range(3)]
+        async def consume() -> None:
+            async for _ in client.stream("s", [2], SamplingParams(max_tokens=1000)):
+                pass
+
+        streaming = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        await client.close()
+        for task in [*waiting, streaming]:
+            with pytest.raises(FleetClosed):
+                await asyncio.wait_for(task, 5)
+        with pytest.raises(FleetClosed):
+            await client.generate("after", [1], SamplingParams(max_tokens=1))
+        # the requests themselves go on, as after any disconnect, until aborted
+        assert sorted(e.request_id for e in sup.table) == ["long0", "long1", "long2", "s"]
+        for entry in list(sup.table):
+            assert sup.abort(entry.origin, entry.request_id)
