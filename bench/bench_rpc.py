@@ -14,7 +14,7 @@ Measured side by side in one run, each between two processes over ipc://:
   its socket work shares the supervisor's core) is timed one call at a time; and a RemoteClient
   in a process of its own, as an agent-loop process would hold one, floods the 1-worker fleet's
   frontend with ``--window`` calls in flight (its hello lets requests and answers go several to
-  a frame).
+  a frame). The frontend is the fleet's default, loopback ``tcp://``.
 - ``ray``: sequential ``ray.get(actor.echo.remote(x))`` when ``ray`` is importable (the
   baseline many RL stacks use today; never a dependency of rollfleet).
 
@@ -285,6 +285,7 @@ async def remote_process(stack: contextlib.AsyncExitStack, address: str, window:
     CPU per request goes into ``client_cpu`` (a list of (calls, seconds))."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--remote-client", address, "--window", str(window),
+        "--prompt-len", str(len(PROMPT)),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
     async def stop() -> None:
@@ -492,14 +493,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_server:
         serve_raw(args.raw_server)
         return 0
-    if args.remote_client:
-        run_loop(remote_client_main(args.remote_client, args.window))
-        return 0
     if args.window < 1 or args.prompt_len < 1:
         parser.error("--window and --prompt-len must be >= 1")
     global PROMPT, REQUEST
     PROMPT = [(7 * i + 1) % 32000 for i in range(args.prompt_len)]
     REQUEST = msgpack.unpackb(codec.encode(Generate(id="r", prompt_ids=PROMPT, sampling=PARAMS)))
+    if args.remote_client:  # the child client: the same prompt as every other path
+        run_loop(remote_client_main(args.remote_client, args.window))
+        return 0
     if args.quick:
         sizes = {"rtt": 2000, "tput": 15_000, "warmup": 200, "ray": 500}
     else:
