@@ -797,8 +797,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients must be >= 1 (0 skips)")
     if min(sizes["workers"]) < 1 or (sizes["receivers"] and min(sizes["receivers"]) < 1) or args.window < 1:
         parser.error("worker counts and --window must be >= 1")
-    if sizes["ranks"] and (min(sizes["ranks"]) < 1 or (args.ranks_workers is not None and args.ranks_workers < 2)):
-        parser.error("--ranks must be >= 1 (0 skips) and --ranks-workers >= 2")
+    if sizes["ranks"] and min(sizes["ranks"]) < 1:
+        parser.error("--ranks must be >= 1 (0 skips)")
+    if args.ranks_workers is not None and args.ranks_workers < 2:
+        parser.error("--ranks-workers must be >= 2")
     sizes["ranks_workers"] = args.ranks_workers
     if args.weights_mb is not None:
         if args.weights_mb < 1:
