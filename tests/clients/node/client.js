@@ -66,7 +66,7 @@ class Client {
     this.calls = new Map(); // call id -> {resolve, reject, raw}
     this.nextCall = 1;
     this.framesReceived = 0;
-    this.batches = false; // the fleet agreed to batches (hello)
+    this.batches = false; // the fleet said it sends this client batches (hello)
     this.sending = Promise.resolve(); // zeromq allows one send at a time: sends are chained
     this.closed = false;
   }
@@ -186,8 +186,8 @@ class Client {
     return this._call("stats", {});
   }
 
-  // Ask for batches both ways; resolves with the reply's data ({batch: true} from a fleet
-  // that sends them).
+  // Ask the fleet to send this client's answers in batches; resolves with the reply's data
+  // ({batch: true} from a fleet that will).
   async hello() {
     const data = await this._call("hello", { batch: true });
     this.batches = data.batch === true;
