@@ -1,6 +1,7 @@
 """Batches on the client socket: a client that says ``hello`` with ``batch`` gets its answers
-several to a frame and may send its requests so; one that does not never sees a batch. Real
-supervisor, real echo workers, raw ZeroMQ clients written from PROTOCOL.md, and RemoteClient."""
+several to a frame; any client may send its requests so; one that never says ``hello`` never
+receives a batch. Real supervisor, real echo workers, raw ZeroMQ clients written from
+PROTOCOL.md, and RemoteClient."""
 
 from __future__ import annotations
 
