@@ -161,6 +161,11 @@ def sizes_in(m: dict[str, Any], prefix: str, suffix: str = "w") -> list[int]:
     return sorted(int(f.group(1)) for f in found if f)
 
 
+def listed(m: dict[str, Any], template: str, sizes: list[int], form: str) -> str:
+    """The figures ``template.format(n)`` for each size n, formatted and comma-separated."""
+    return ", ".join(format(m[template.format(n)], form) for n in sizes)
+
+
 def bottleneck_text(m: dict[str, Any]) -> str:
     """A paragraph on where the scaling run spent its CPU, from the bench_scaling keys."""
     ns = sizes_in(m, "rps_")
@@ -200,7 +205,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     rs = sizes_in(m, "ranks_rps_", "r")
     if len(rs) > 1 and "ranks_workers" in m:
         r, w = rs[-1], m["ranks_workers"]
-        loops = ", ".join(f"{m[f'ranks_loop_cpu_max_{k}r']:.2f}" for k in rs)
+        loops = listed(m, "ranks_loop_cpu_max_{}r", rs, ".2f")
         where = m.get(f"ranks_bottleneck_{r}r", "")
         text.append(
             f"Spread over ranks, as a job runs a fleet per rank (examples/torchrun_rl.py), the same {w} no-model "
@@ -214,24 +219,21 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     if cs and "clients_workers" in m:
         c, w = cs[-1], m["clients_workers"]
         where = m.get(f"clients_bottleneck_{c}c", "")
-
-        def each(key: str, form: str) -> str:
-            return ", ".join(format(m[f"clients_{key}_{k}c"], form) for k in cs)
-
         text.append(
             f"Fed through its frontend by client processes instead (RemoteClient, as agent-loop processes would "
             f"share one fleet), one fleet of the same {w} workers served "
             f"{', '.join(fmt('_rps', m[f'clients_rps_{k}c']) for k in cs)} with {', '.join(map(str, cs))} client "
             f"process{'es' if len(cs) > 1 or cs[0] > 1 else ''}. Its loop, which then routes requests and runs no "
-            f"client, spent {each('loop_us_per_req', '.0f')} us of CPU a request and was busy "
-            f"{each('loop_cpu', '.2f')} of a core; the client processes spent {each('client_us_per_req', '.0f')} us "
+            f"client, spent {listed(m, 'clients_loop_us_per_req_{}c', cs, '.0f')} us of CPU a request and was busy "
+            f"{listed(m, 'clients_loop_cpu_{}c', cs, '.2f')} of a core; the client processes spent "
+            f"{listed(m, 'clients_client_us_per_req_{}c', cs, '.0f')} us "
             f"a request; with {c} the limit was: {where}"
             + (f" (machine busy {m.get(f'clients_machine_busy_{c}c', 0):.2f} of its {cores} cores)."
                if where == "none saturated" or where.startswith("machine") else "."))
     ps = sizes_in(m, "paced_rps_")
     if ps and "paced_loop_ceiling_workers" in m:
         p = ps[-1]
-        share = ", ".join(f"{m[f'paced_vs_capacity_{n}w']:.2f}" for n in ps)
+        share = listed(m, "paced_vs_capacity_{}w", ps, ".2f")
         where = m.get(f"paced_bottleneck_{p}w", "")
         text.append(
             f"Paced like real engines ({m['paced_running']} requests at once per worker, "
@@ -246,7 +248,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
                if where == "none saturated" else f"; the limit at {p} workers: {where}."))
     ks = sizes_in(m, "gbps_")
     if len(ks) > 1:
-        curve = ", ".join(f"{m[f'gbps_{k}w']:.2f}" for k in ks)
+        curve = listed(m, "gbps_{}w", ks, ".2f")
         change = m[f"gbps_{ks[-1]}w"] / m[f"gbps_{ks[0]}w"] - 1
         text.append(f"Weight updates to {', '.join(map(str, ks))} receiving workers ran at {curve} GB/s (model bytes "
                     f"over update time; {change:+.0%} from {ks[0]} to {ks[-1]}). The trainer fills each shared-memory "
