@@ -30,6 +30,7 @@ import zmq
 
 from ..errors import (
     FleetClosed,
+    InvalidRequest,
     Overloaded,
     ResumeExhausted,
     RolloutError,
@@ -39,6 +40,7 @@ from ..errors import (
 )
 from ..transport import auth, codec
 from ..transport.messages import (
+    CLIENT_TYPES,
     CONTROL_OPS,
     Abort,
     Batch,
@@ -57,6 +59,7 @@ from ..transport.messages import (
     Shutdown,
     Stats,
     WorkerExit,
+    check_control_args,
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
@@ -643,6 +646,9 @@ class Supervisor:
         Raises FleetClosed, DuplicateRequest, Overloaded, InvalidRequest.
         """
         self._check_open()
+        if not request_id:
+            raise InvalidRequest("generate: the request id must not be empty (it names the request in every answer)",
+                                 code="bad_field")
         count = self._per_origin.get(origin, 0)
         if count >= self.config.max_inflight_per_client:
             raise Overloaded(f"{count} requests in flight for this client (max_inflight_per_client)",
@@ -810,9 +816,12 @@ class Supervisor:
             timings["queue"] = entry.t_dispatched - entry.t_created
         if entry.t_first_token is not None:
             timings["first_token"] = entry.t_first_token - entry.t_created
+        logprobs = entry.logprobs
+        if logprobs is None and entry.params.logprobs:
+            logprobs = []  # asked for, and no token came: one per token, none
         # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, num_preemptions=,
         #          worker=, timings=), made without __init__'s per-field work
-        entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, entry.logprobs,
+        entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, logprobs,
                                entry.versions, entry.num_preemptions, worker, timings))
 
     def _fail(self, entry: Entry, exc: RolloutError) -> None:
@@ -861,14 +870,17 @@ class Supervisor:
         """Run a control op (sleep, wake_up, clear_kv_cache, start_profile, stop_profile, pause,
         resume) on every ready worker. Returns {worker id: reply data}.
 
-        Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops,
-        WorkerLost / RequestTimeout from a worker.
+        Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops
+        (code unknown_op) and bad args (bad_field: sleep's level 1 or 2, start_profile's
+        trace_dir), WorkerLost / RequestTimeout from a worker.
         """
         self._check_open()
         if op not in CONTROL_OPS:
-            from ..errors import InvalidRequest
-
             raise InvalidRequest(f"unknown control op {op!r}; one of {', '.join(CONTROL_OPS)}", code="unknown_op")
+        try:
+            check_control_args(op, args or {})
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), code="bad_field") from None
         if op in ("pause", "sleep"):
             self._engines_held = True  # before the call: tokens stop as soon as an engine obeys
         handles = self.ready_workers()
@@ -973,7 +985,7 @@ class Supervisor:
             return
         identity = frames[0]
         try:
-            msg = codec.decode(frames[1:2], self._max_bytes)
+            msg = codec.decode(frames[1:2], self._max_bytes, accept=CLIENT_TYPES)
         except codec.DecodeError as exc:
             self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
             self._reply_client(identity, codec.error_for(exc))
@@ -989,7 +1001,7 @@ class Supervisor:
                                                message=f"a batch of {len(msg.messages)} messages: a client's batch "
                                                        f"holds at most {MAX_CLIENT_BATCH}"))
         else:
-            for item in codec.unbatch(msg):
+            for item in codec.unbatch(msg, accept=CLIENT_TYPES):
                 if isinstance(item, codec.DecodeError):  # answered like a bad frame; the others still run
                     self._drops.log("bad_client_frame", logging.INFO, "bad client message in a batch: %s", item)
                     self._reply_client(identity, codec.error_for(item))

@@ -47,6 +47,7 @@ from ..transport.messages import (
     WeightsBucket,
     WeightsEnd,
     WorkerExit,
+    check_control_args,
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
@@ -342,12 +343,15 @@ class EngineWorker:
             self._send(Error(id=msg.id, code="unknown_op", message=f"unknown control op {op!r}"))
             return
         try:
+            check_control_args(op, args)
+        except ValueError as exc:
+            self._send(Error(id=msg.id, code="bad_field", message=str(exc)))
+            return
+        try:
             if op == "sleep":
-                await self.engine.sleep(int(args.get("level", 1)))
+                await self.engine.sleep(args.get("level", 1))
             elif op == "start_profile":
-                trace_dir = args.get("trace_dir")
-                if not isinstance(trace_dir, str) or not trace_dir:
-                    raise ValueError("start_profile needs args.trace_dir (a directory path)")
+                trace_dir = args["trace_dir"]
                 os.makedirs(trace_dir, exist_ok=True)
                 await self.engine.start_profile(trace_dir)
             else:

@@ -207,9 +207,29 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
+        if type(exc) is ValueError and "map key" in str(exc):
+            # Keys other than str or bin are refused while unpacking (a map of int keys would let a
+            # sender pick hash collisions); answer with the message's id when it can be read.
+            raise DecodeError("bad_field", "a map has a key that is not a str", _read_id(raw)) from None
         raise DecodeError("bad_frame", f"not a msgpack value: {type(exc).__name__}") from None
     _check_header(header)
     return header
+
+
+def _read_id(raw: bytes | memoryview) -> str | None:
+    """The top-level ``id`` of a map frame that failed to unpack whole, or None: reads the keys
+    and skips every other value unbuilt (no map is made, whatever its keys)."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
+        unpacker.feed(raw)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                value = unpacker.unpack()
+                return value if type(value) is str else None
+            unpacker.skip()
+    except Exception:
+        return None
+    return None
 
 
 def _check_header(header: Any) -> None:
@@ -225,23 +245,28 @@ def _check_header(header: Any) -> None:
         )
 
 
-def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> Message:
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+           accept: frozenset[str] | None = None) -> Message:
     """Decode ``(header, *buffers)`` into a message; extra buffers are checked by the caller.
 
-    A frame is anything with the buffer protocol: bytes, memoryview, zmq.Frame.
+    A frame is anything with the buffer protocol: bytes, memoryview, zmq.Frame. ``accept``: the
+    type tags the receiver takes (None: all); another known type is ``unknown_type`` before its
+    fields are read.
     """
     if not frames:
         raise DecodeError("bad_frame", "empty message")
-    return _from_header(decode_header(frames[0], max_bytes))
+    return _from_header(decode_header(frames[0], max_bytes), accept)
 
 
-def _from_header(header: dict[str, Any]) -> Message:
+def _from_header(header: dict[str, Any], accept: frozenset[str] | None = None) -> Message:
     """The message a checked header map (see ``_check_header``) describes."""
     msg_id = header["id"]
     type_tag = header.get("type")
     cls = MESSAGE_CLASSES.get(type_tag) if type(type_tag) is str else None
     if cls is None:
         raise DecodeError("unknown_type", f"unknown message type {type_tag!r}", msg_id)
+    if accept is not None and type_tag not in accept:
+        raise DecodeError("unknown_type", f"this socket does not take {type_tag!r} messages", msg_id)
     spec = _SPECS.get(cls) or _spec(cls)
     if spec.decode_fast is not None:
         msg = spec.decode_fast(header, msg_id)
@@ -294,16 +319,16 @@ def batch_frame(encoded: Sequence[bytes]) -> bytes:
     return b"".join((_BATCH_START, head, *encoded))
 
 
-def unbatch(batch: Batch) -> list[Message | DecodeError]:
+def unbatch(batch: Batch, accept: frozenset[str] | None = None) -> list[Message | DecodeError]:
     """The messages of a batch, in order, each decoded and checked on its own: one bad message
-    is a DecodeError in its place and costs the others nothing."""
+    is a DecodeError in its place and costs the others nothing. ``accept`` as for ``decode``."""
     out: list[Message | DecodeError] = []
     for item in batch.messages:
         try:
             _check_header(item)
             if item.get("type") == "batch":
                 raise DecodeError("bad_message", "a batch may not hold a batch", item["id"])
-            out.append(_from_header(item))
+            out.append(_from_header(item, accept))
         except DecodeError as exc:
             out.append(exc)
     return out

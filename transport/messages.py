@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -42,6 +43,8 @@ __all__ = [
     "Hello",
     "MESSAGE_CLASSES",
     "CONTROL_OPS",
+    "CLIENT_TYPES",
+    "check_control_args",
 ]
 
 PROTOCOL_VERSION = 1
@@ -93,6 +96,24 @@ CONTROL_OPS = (
     "resume",
 )
 
+# What a client may send the supervisor's frontend; any other type is answered unknown_type.
+CLIENT_TYPES = frozenset({"generate", "abort", "stats", "control", "hello", "batch"})
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+
+def check_control_args(op: str, args: dict[str, Any]) -> None:
+    """Raise ValueError when ``args`` are not what ``op`` takes (PROTOCOL.md 4.1)."""
+    if op == "sleep":
+        level = args.get("level", 1)
+        if type(level) is not int or level not in (1, 2):
+            raise ValueError(f"sleep: args.level must be the int 1 or 2, got {level!r}")
+    elif op == "start_profile":
+        trace_dir = args.get("trace_dir")
+        if type(trace_dir) is not str or not trace_dir:
+            raise ValueError("start_profile needs args.trace_dir (a directory path)")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
@@ -116,14 +137,16 @@ class SamplingParams:
     """Return the log-probability of each chosen token."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.max_tokens <= _INT64_MAX:
+            raise ValueError(f"max_tokens must be >= 0 (and fit in 64 bits), got {self.max_tokens}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails this too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1, got {self.top_k}")
+        if not -1 <= self.top_k <= _INT64_MAX:
+            raise ValueError(f"top_k must be >= -1 (and fit in 64 bits), got {self.top_k}")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -74,21 +74,34 @@ VECTORS: list[Message] = [
         worker="w1-0",
         timings={"total": 0.5, "queue": 0.125, "first_token": 0.25},
     ),
+    # The answer to stats-1, shaped as PROTOCOL.md 6.5 lists it (one worker, its engine stats cut short).
     Reply(
         id="stats-1",
         ok=True,
         data={
-            "workers": [{"worker_id": "w0-0", "state": "ready", "num_inflight": 0, "last_error": None}],
+            "workers": [{
+                "worker_id": "w0-1", "index": 0, "state": "ready", "pid": 4242, "device": "cuda:0", "host": "node-1",
+                "engine": "vllm", "capabilities": ["pause", "sleep", "load_weights"], "num_inflight": 3,
+                "num_tokens": 123456, "weight_version": 3, "restarts": 1,
+                "last_error": "process exited with code -9", "engine_stats": {"gpu_cache_usage": 0.5},
+            }],
             "num_workers": 1,
+            "num_inflight": 3,
+            "num_pending": 0,
             "weight_version": 3,
+            "mode": "hybrid",
+            "engine": "vllm",
             "host": "node-1",
-            "load": 0.5,
-            "paused": False,
-            "engine_stats": {},
-            "errors": [],
+            "num_completed": 70000,
+            "num_aborted": 2,
+            "num_failed": 0,
+            "num_resumed": 5,
+            "num_cancelled": 1,
+            "dropped_frames": {"bad_client_frame": 1},
         },
     ),
-    Error(id="req-2", code="bad_field", message="generate: max_tokens must be >= 0, got -1", request_id="req-2"),
+    # A refusal of a generate the supervisor read whole: request_id is set (PROTOCOL.md 4.2).
+    Error(id="req-1", code="duplicate_request", message="request 'req-1' is already in flight", request_id="req-1"),
     Register(
         id="register",
         worker_id="w0-0",
@@ -103,16 +116,19 @@ VECTORS: list[Message] = [
     Heartbeat(id="hb", num_inflight=3, num_tokens=123456, weight_version=7),
     WorkerExit(id="fatal", reason="engine died serving a request: RuntimeError('out of memory')", fatal=True),
     Shutdown(id="shutdown"),
+    # An shm update's opening (PROTOCOL.md 4.3): two named segments, an in-place offer.
     WeightsBegin(
-        id="weights-1",
+        id="5f0c2a9e.begin",
         version=8,
-        transport="cuda_ipc",
+        transport="shm",
         bucket_bytes=1048576,
-        buffers=[{"handle": bytes(range(0, 64, 4)), "size": 1048576, "device_uuid": "GPU-0000"}],
-        options={"lora": None, "num_buffers": 1},
+        buffers=[{"size": 1048576, "pool": "9d41c07b", "index": i, "name": f"rf-4242-9d41c07b5a6e13f2-{i}"}
+                 for i in range(2)],
+        options={"sender_pid": 4242, "sender_start": 1700000000.25,
+                 "in_place": {"address": 140000000000, "check": bytes(range(0, 64, 4))}},
     ),
     WeightsBucket(
-        id="weights-2",
+        id="5f0c2a9e.0",
         index=0,
         buffer=1,
         tensors=[
@@ -121,7 +137,7 @@ VECTORS: list[Message] = [
              "part_offset": 0, "total_nbytes": 76800},
         ],
     ),
-    WeightsEnd(id="weights-3", version=8, commit=True),
+    WeightsEnd(id="5f0c2a9e.end", version=8, commit=True),
     # Two messages for one peer in one frame, as a worker sends them under load.
     Batch(id="", messages=[
         {"v": 1, "type": "chunk", "id": "w0-0:5", "token_ids": [17], "logprobs": None, "weight_version": 3},

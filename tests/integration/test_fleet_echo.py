@@ -273,27 +273,57 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
         sock = ctx.socket(zmq.DEALER)
         sock.connect(sup.frontend_address)
         try:
-            cases = [
-                ([b"\xc1\xc1"], "bad_frame"),
-                ([msgpack.packb({"v": 1, "type": "nope", "id": "1"})], "unknown_type"),
-                ([msgpack.packb({"v": 1, "type": "generate", "id": "2", "prompt_ids": "x"})], "bad_field"),
-                ([msgpack.packb({"v": 1, "type": "heartbeat", "id": "3"})], "unknown_type"),
-                ([msgpack.packb({"v": 1, "type": "abort", "id": "4", "request_id": "ghost"})], "unknown_request"),
-                ([msgpack.packb({"v": 1, "type": "control", "id": "5", "op": "reboot"})], "unknown_op"),
+            gen = {"v": 1, "type": "generate", "prompt_ids": [1]}
+            sleep = {"v": 1, "type": "control", "op": "sleep"}
+            cases = [  # (frames, code, the id the error answers with)
+                ([b"\xc1\xc1"], "bad_frame", ""),
+                ([msgpack.packb({"v": 1, "type": "nope", "id": "1"})], "unknown_type", "1"),
+                ([msgpack.packb({"v": 1, "type": "generate", "id": "2", "prompt_ids": "x"})], "bad_field", "2"),
+                ([msgpack.packb({"v": 1, "type": "heartbeat", "id": "3"})], "unknown_type", "3"),
+                ([msgpack.packb({"v": 1, "type": "abort", "id": "4", "request_id": "ghost"})], "unknown_request", "4"),
+                ([msgpack.packb({"v": 1, "type": "control", "id": "5", "op": "reboot"})], "unknown_op", "5"),
                 # a bad request inside a batch is answered like a bad frame of its own
                 ([codec.batch_frame([msgpack.packb({"v": 1, "type": "generate", "id": "6", "prompt_ids": "x"})])],
-                 "bad_field"),
+                 "bad_field", "6"),
+                # types only workers send: refused as such, not for their missing fields
+                ([msgpack.packb({"v": 1, "type": "register", "id": "7"})], "unknown_type", "7"),
+                ([msgpack.packb({"v": 1, "type": "result", "id": "8"})], "unknown_type", "8"),
+                ([codec.batch_frame([msgpack.packb({"v": 1, "type": "weights_end", "id": "8b"})])], "unknown_type", "8b"),
+                # a map key that is not a str: the message's id is still read back
+                ([msgpack.packb({**gen, "id": "9", "sampling": {1: 2}})], "bad_field", "9"),
+                ([msgpack.packb({**gen, "id": ""})], "bad_field", ""),  # a request needs a name
+                ([msgpack.packb({**gen, "id": "10", "sampling": {"temperature": float("nan")}})], "bad_field", "10"),
+                ([msgpack.packb({**gen, "id": "11", "sampling": {"max_tokens": 2**64 - 1}})], "bad_field", "11"),
+                ([msgpack.packb({**sleep, "id": "12", "args": {"level": "2"}})], "bad_field", "12"),
+                ([msgpack.packb({**sleep, "id": "13", "args": {"level": 3}})], "bad_field", "13"),
+                ([msgpack.packb({**sleep, "id": "14", "args": {"level": True}})], "bad_field", "14"),
+                ([msgpack.packb({"v": 1, "type": "control", "id": "15", "op": "start_profile"})], "bad_field", "15"),
             ]
-            for frames, code in cases:
+            for frames, code, msg_id in cases:
                 await sock.send_multipart(frames)
                 reply = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 5))
-                assert reply["type"] == "error" and reply["code"] == code, reply
+                assert reply["type"] == "error" and reply["code"] == code and reply["id"] == msg_id, reply
         finally:
             sock.close(0)
             ctx.term()
         assert (await running).token_ids == expected_tokens([4], 30)
         assert sup.counters["completed"] == 1  # "keep" alone: none of the bad requests ran
 
+
+
+async def test_logprobs_asked_for_come_as_a_list_even_without_tokens():
+    async with fleet(1, engine_options={"tokens_per_s": 5}) as sup:
+        client = sup.client()
+        none = await client.generate("n", [1], SamplingParams(max_tokens=0, logprobs=True))
+        assert none.token_ids == [] and none.logprobs == []
+        assert (await client.generate("p", [1], SamplingParams(max_tokens=0))).logprobs is None
+        slow = asyncio.create_task(client.generate("s", [1], SamplingParams(max_tokens=50, logprobs=True)))
+        assert await wait_for(lambda: getattr(sup.table.get("local", "s"), "inner_id", None) is not None)
+        assert await client.abort("s")  # the first token is 0.2 s away
+        aborted = await slow
+        assert aborted.finish_reason == "abort" and aborted.token_ids == [] and aborted.logprobs == []
+        some = await client.generate("t", [1], SamplingParams(max_tokens=2, logprobs=True))
+        assert len(some.token_ids) == len(some.logprobs) == 2
 
 def test_device_env_is_safe_and_maps_visible_devices():
     assert device_env("cpu", {}) == {}

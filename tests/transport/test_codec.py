@@ -86,7 +86,7 @@ def _code(raw):
         (b"", "bad_frame"),
         (b"\xc1", "bad_frame"),
         (msgpack.packb([1, 2]), "bad_message"),
-        (msgpack.packb({1: 2}), "bad_frame"),
+        (msgpack.packb({1: 2}), "bad_field"),
         (msgpack.packb({"v": 1, "type": "generate"}), "bad_field"),
         (msgpack.packb({"v": 99, "type": "generate", "id": "x"}), "version_mismatch"),
         (msgpack.packb({"v": True, "type": "stats", "id": "x"}), "version_mismatch"),
@@ -103,11 +103,44 @@ def _code(raw):
         (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
                         "sampling": {"top_p": 0}}), "bad_field"),
         (msgpack.packb({"v": 1, "type": "abort", "id": "x", "request_id": None}), "bad_field"),
-        (msgpack.packb({"v": 1, "type": "control", "id": "x", "op": "sleep", "args": {1: 2}}), "bad_frame"),
+        (msgpack.packb({"v": 1, "type": "control", "id": "x", "op": "sleep", "args": {1: 2}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"temperature": float("nan")}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"temperature": float("inf")}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"max_tokens": 2**64 - 1}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"top_k": 2**63}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"seed": 2**63}}), "bad_field"),
     ],
 )
 def test_malformed_input_is_rejected_with_a_code(raw, code):
     assert _code(raw)[0] == code
+
+
+def test_a_key_that_is_not_a_str_is_answered_with_the_messages_id():
+    # anywhere in the message: the id is read back without building the maps
+    for header in ({"v": 1, "type": "generate", "id": "r1", "prompt_ids": [1], "sampling": {7: 1}},
+                   {"v": 1, "type": "control", "id": "r1", "op": "sleep", "args": {None: 1}},
+                   {3: "x", "v": 1, "type": "stats", "id": "r1"}):
+        assert _code(msgpack.packb(header)) == ("bad_field", "r1")
+    # an id that cannot be read (itself a map with such keys) leaves it empty
+    assert _code(msgpack.packb({"v": 1, "type": "stats", "id": {1: 2}})) == ("bad_field", None)
+
+
+def test_accept_refuses_known_types_before_their_fields():
+    accept = frozenset({"generate", "stats"})
+    # a register with no fields at all: the type is refused first, not its missing fields
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode([msgpack.packb({"v": 1, "type": "register", "id": "g1"})], accept=accept)
+    assert (info.value.code, info.value.msg_id) == ("unknown_type", "g1")
+    assert codec.decode([msgpack.packb({"v": 1, "type": "stats", "id": "s"})], accept=accept) == Stats(id="s")
+    batch = codec.decode([codec.batch_frame([codec.encode(Stats(id="a")), codec.encode(Abort(id="b", request_id="r"))])])
+    first, second = codec.unbatch(batch, accept=accept)
+    assert first == Stats(id="a")
+    assert isinstance(second, codec.DecodeError) and (second.code, second.msg_id) == ("unknown_type", "b")
 
 
 def test_error_reply_carries_the_correlation_id_when_readable():
