@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
+from rollfleet.actors import supervisor as supervisor_module
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import FleetClosed
 from rollfleet.transport import codec
@@ -139,6 +140,30 @@ async def test_a_client_that_never_said_hello_never_receives_a_batch_but_may_sen
             raw.close()
             other.close()
 
+
+
+async def test_the_fleet_remembers_a_bounded_number_of_batch_clients_the_oldest_gets_single_frames(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "MAX_BATCH_CLIENTS", 2)  # 65,536 in use: too many sockets for a test
+    async with fleet() as sup:
+        clients = [RawClient(sup.frontend_address) for _ in range(3)]
+        try:
+            for k, raw in enumerate(clients):  # in this order: the first is the oldest
+                await raw.send(codec.encode(Hello(id=f"h{k}", batch=True)))
+                assert (await raw.answers({f"h{k}"}))[f"h{k}"]["data"] == {"batch": True}
+            assert len(sup._batch_clients) == 2
+            for k, raw in enumerate(clients):
+                raw.frames.clear()
+                ids = [f"c{k}-{i}" for i in range(200)]
+                for start in range(0, 200, 50):
+                    await raw.send(codec.batch_frame([generate(rid, [i + 1], 1) for i, rid in enumerate(ids)
+                                                      if start <= i < start + 50]))
+                got = await raw.answers(set(ids))
+                assert all(got[rid]["token_ids"] == echo_tokens([i + 1], 1) for i, rid in enumerate(ids))
+            assert [f["type"] for f in clients[0].frames] == ["result"] * 200  # forgotten: one to a frame
+            assert all(any(f["type"] == "batch" for f in raw.frames) for raw in clients[1:])
+        finally:
+            for raw in clients:
+                raw.close()
 
 async def test_remote_client_says_hello_then_floods_streams_and_calls_over_batches():
     async with fleet() as sup:
