@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines import ENGINE_NAMES
+from ..transport.auth import check_bind
 
 __all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS", "MODES"]
 
@@ -138,6 +139,9 @@ class FleetConfig:
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
+        for addr in (self.worker_addr, self.frontend_addr):
+            if addr:
+                check_bind(addr, self.curve_keys_dir)  # a non-loopback address needs CurveZMQ keys
 
     def weight_transport(self) -> str:
         """The transport weight updates use unless a call overrides it."""

@@ -1,5 +1,6 @@
 """CurveZMQ: non-loopback binds need keys; only authorized client keys are served."""
 
+import asyncio
 import os
 
 import pytest
@@ -23,11 +24,20 @@ def test_loopback_rule():
     assert not is_loopback_address("tcp://10.1.2.3:5")
 
 
-async def test_non_loopback_bind_without_keys_is_refused_with_instructions():
-    sup = Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr="tcp://0.0.0.0:0"))
+async def test_non_loopback_bind_without_keys_is_refused_with_instructions(capsys):
+    for addrs in ({"frontend_addr": "tcp://0.0.0.0:0"}, {"worker_addr": "tcp://10.1.2.3:0"}):
+        with pytest.raises(ValueError, match="rollfleet keys"):
+            FleetConfig(engine="echo", num_workers=1, **addrs)  # before anything starts
+    # a config changed after it was checked is refused at start, and nothing is left
+    config = FleetConfig(engine="echo", num_workers=1)
+    config.frontend_addr = "tcp://0.0.0.0:0"
+    sup = Supervisor(config)
     with pytest.raises(ValueError, match="rollfleet keys"):
         await sup.start()
     assert not os.path.exists(sup.private_dir)
+    # the command line calls it a bad option (exit 2), not a failed start
+    assert await asyncio.to_thread(cli_main, ["serve", "--engine", "echo", "--bind", "tcp://0.0.0.0:0"]) == 2
+    assert "rollfleet keys" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
