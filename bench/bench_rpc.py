@@ -18,8 +18,8 @@ Measured side by side in one run, each between two processes over ipc://:
 - ``ray``: sequential ``ray.get(actor.echo.remote(x))`` when ``ray`` is importable (the
   baseline many RL stacks use today; never a dependency of rollfleet).
 
-    python bench/bench_rpc.py --quick --json bench/out/rpc.json   # < 1 min on 2 cores
-    python bench/bench_rpc.py --json bench/out/rpc.json            # a few minutes
+    python bench/bench_rpc.py --quick --json bench/out/bench_rpc.json   # < 1 min on 2 cores
+    python bench/bench_rpc.py --json bench/out/bench_rpc.json            # a few minutes
     python bench/bench_rpc.py --quick --prompt-len 4096             # per-token costs
 
 Every path is set up first and then measured in turns (blocks of 100 calls, then rounds of
@@ -50,7 +50,7 @@ process of its own, 1 worker), ``remote_client_us_per_req`` (that process's CPU 
 loop), ``ray_sync_p50_us``, ``ray_sync_p99_us``, ``fleet_vs_ray_rps`` (``fleet_rps_best`` /
 ``ray_sync_rps``), ``goal_ray_met`` (``fleet_vs_ray_rps`` >= 10). The run: ``quick``, ``window``,
 ``prompt_len``, ``num_rtt_calls`` (per path), ``num_tput_calls`` (per path, split over the 3
-floods), ``elapsed_s``.
+floods), ``elapsed_s``; and the machine facts ``machine_*`` of bench/common.py (``MACHINE_KEYS``).
 """
 
 from __future__ import annotations
@@ -483,9 +483,11 @@ def report(m: dict, ray: dict | str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--window", type=int, default=256, help="Requests in flight for throughput.")
+    parser.add_argument("--window", type=int, default=256,
+                        help="Requests in flight for throughput (default 256, with --quick too).")
     parser.add_argument("--prompt-len", type=int, default=2,
-                        help="Prompt tokens per request (2: pure overhead; try 4096 to see per-token costs).")
+                        help="Prompt tokens per request (default 2: pure overhead; try 4096 to see per-token "
+                             "costs).")
     parser.add_argument("--no-ray", action="store_true", help="Skip the Ray baseline even if importable.")
     parser.add_argument("--raw-server", metavar="ADDR", help=argparse.SUPPRESS)  # the child process
     parser.add_argument("--remote-client", metavar="ADDR", help=argparse.SUPPRESS)  # the child client

@@ -39,8 +39,8 @@ the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off
 supervisor's CPU copy for restarted workers is not timed. Each receiver count and a plain
 memcpy of the same bytes are timed in turns after a warm-up; the best of 6 (full: 9) counts.
 
-    python bench/bench_scaling.py --quick --json bench/out/scaling.json   # ~1 min on 2 cores
-    python bench/bench_scaling.py --json bench/out/scaling.json           # a few minutes
+    python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # ~1 min on 2 cores
+    python bench/bench_scaling.py --json bench/out/bench_scaling.json           # a few minutes
 
 Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_{n}w``,
 ``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
@@ -71,7 +71,8 @@ supervisor's loop, cores), ``clients_loop_us_per_req_{k}c``, ``clients_cpu_{k}c`
 processes, cores), ``clients_client_us_per_req_{k}c``, ``clients_machine_busy_{k}c``,
 ``clients_bottleneck_{k}c``, ``clients_max``, ``clients_rps_scaling_max`` (most clients / fewest),
 ``clients_loop_cpu_max``, ``clients_bottleneck`` (with the most), ``clients_in_process_rps`` (the
-same fleet size's in-process flood above, when it ran).
+same fleet size's in-process flood above, when it ran); and the machine facts ``machine_*`` of
+bench/common.py (``MACHINE_KEYS``; ``machine_busy_{n}w`` above is a measurement, not one of them).
 """
 
 from __future__ import annotations
@@ -743,15 +744,21 @@ def plot(path: str, fleets: dict, ranks: dict, clients: dict, paced: dict, updat
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--workers", default=None, help="Fleet sizes, comma-separated (default 1,2,4,8,16).")
-    parser.add_argument("--receivers", default="1,2,4", help="Receiving workers for weight updates.")
-    parser.add_argument("--window", type=int, default=256, help="Requests in flight for throughput.")
-    parser.add_argument("--weights-mb", type=int, default=None, help="Bytes per weight update (MB).")
-    parser.add_argument("--calls", type=int, default=None, help="Throughput calls per fleet size (all rounds).")
+    parser.add_argument("--receivers", default="1,2,4",
+                        help="Receiving workers for weight updates, comma-separated (default 1,2,4, with --quick "
+                             "too; an empty value, --receivers '', skips the weight updates).")
+    parser.add_argument("--window", type=int, default=256,
+                        help="Requests in flight for throughput (default 256, with --quick too).")
+    parser.add_argument("--weights-mb", type=int, default=None,
+                        help="Size of each weight update, MiB of bf16 tensors (default 1024; --quick 256).")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="Throughput calls per fleet size, all rounds together (default 40000; --quick 6000).")
     parser.add_argument("--paced-running", type=int, default=64,
-                        help="Engine-paced fleet: requests each worker runs at once (its batch).")
+                        help="Engine-paced fleet: requests each worker runs at once, its batch (default 64).")
     parser.add_argument("--paced-tokens-per-s", type=float, default=200.0,
-                        help="Engine-paced fleet: tokens/s of each running request.")
-    parser.add_argument("--paced-tokens", type=int, default=64, help="Engine-paced fleet: tokens per request.")
+                        help="Engine-paced fleet: tokens/s of each running request (default 200).")
+    parser.add_argument("--paced-tokens", type=int, default=64,
+                        help="Engine-paced fleet: tokens per request (default 64).")
     parser.add_argument("--paced-batches", type=int, default=None,
                         help="Engine-paced fleet: requests per round, in full batches of every worker "
                              "(default 3, --quick 2; 0 skips the engine-paced fleet).")

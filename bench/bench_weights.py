@@ -28,11 +28,11 @@ then kept; the second starts moving the trainer's tensors onto huge pages, which
 step between two updates leaves time for: the bench waits for it), then timed ``--reps``
 times; the best is reported.
 
-    python bench/bench_weights.py --quick --json out.json
-    python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --json w.json
+    python bench/bench_weights.py --quick --json bench/out/bench_weights.json
+    python bench/bench_weights.py --total-gb 2 --buckets-mb 64,256,1024 --json bench/out/bench_weights.json
 
 Keys: every ``..._gbps`` is 10^9 bytes per second, end to end, the best of a row's timed updates
-(``--reps``, 2 with ``--quick``; cuda_ipc rows: at least 20). Per bucket size, ``{mb}`` in MiB:
+(``--reps``, default 2; cuda_ipc rows: at least 20). Per bucket size, ``{mb}`` in MiB:
 ``shm_gbps_{mb}mb``, ``shm_buffered_gbps_{mb}mb`` (every bucket size),
 ``shm_as_allocated_gbps_{mb}mb`` (the largest size only), ``gloo_gbps_{mb}mb`` (every size;
 ``--quick``: the first only), ``shm_keep_last_gbps_{mb}mb`` (only at the size where ``shm`` was
@@ -47,10 +47,16 @@ between and after the two cuda_ipc rows). Ratios: ``shm_vs_memcpy``, ``shm_as_al
 update: the Llama checkpoint's tensors, or made-up ones when no fleet row ran), ``num_tensors``
 (tensors in it), ``bytes_cuda`` (bytes of one cuda_ipc update, GPU only), ``buckets_mb`` (the bucket
 sizes, a comma-separated string), ``reps`` (timed updates per CPU row and bucket size),
-``cuda_reps`` (the same for the cuda_ipc rows and the d2d baseline, GPU only), ``quick``.
+``cuda_reps`` (the same for the cuda_ipc rows and the d2d baseline, GPU only), ``quick``; and the
+machine facts ``machine_*`` of bench/common.py (``MACHINE_KEYS``).
 
-``--quick`` changes the defaults only (400 MiB of weights, buckets of 64 and 256 MiB, gloo at
-the first bucket size only): ``--total-gb``, ``--buckets-mb`` and ``--reps`` given with it stand.
+The checkpoint has as many whole layers as come closest to the size asked for, so an update moves
+about that much, not exactly: the default 1 GiB gives 8 layers, 1,084,297,216 bytes (about
+1.01 GiB); ``--quick`` asks for 400 MiB and gets 2 layers, 467,685,376 bytes (about 450 MiB).
+
+``--quick`` changes the defaults only (about 450 MiB of weights, buckets of 64 and 256 MiB, gloo
+at the first bucket size only): ``--total-gb`` and ``--buckets-mb`` given with it stand. ``--reps``
+is 2 unless given, with or without ``--quick``.
 """
 
 from __future__ import annotations
@@ -307,15 +313,19 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
 def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--total-gb", type=float, default=None,
-                   help="bytes of weights per CPU update, 1-4 (default 1; with --quick 0.39, i.e. 400 MiB)")
+                   help="GiB of weights per CPU update, 1 to 4 suggested (not checked); the checkpoint holds "
+                        "whole layers, so the bytes moved differ a little (default 1: about 1.01 GiB; with "
+                        "--quick 400 MiB asked for, about 450 MiB moved)")
     p.add_argument("--buckets-mb", default=None,
                    help="comma-separated bucket sizes in MiB (default 64,128,256,512,1024; with --quick 64,256)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed updates per row and bucket size, the best counts (default 2; cuda_ipc rows: at least 20)")
     p.add_argument("--cuda-total-gb", type=float, default=4.0,
-                   help="bytes of weights per cuda_ipc update, also with --quick (on the GPU, twice: sender and engine)")
+                   help="GiB of weights per cuda_ipc update (default 4, with --quick too; on the GPU, twice: "
+                        "sender and engine)")
     p.add_argument("--transports", default="shm,gloo,cuda_ipc",
-                   help="comma-separated; cuda_ipc runs only with a GPU; shm/gloo need transformers")
+                   help="comma-separated (default shm,gloo,cuda_ipc); cuda_ipc runs only with a GPU; "
+                        "shm/gloo need transformers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = p.parse_args()

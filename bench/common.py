@@ -9,6 +9,13 @@ test importing them) should put ``bench/`` on ``sys.path`` first.
 Every script takes ``--quick`` (a short run, under a minute on a 2-core machine),
 ``--json PATH`` (a flat object of named metrics: numbers, booleans, strings) and
 ``--png PATH`` (defaults to the JSON path with a ``.png`` suffix when ``--json`` is given).
+
+Every script's JSON also carries the machine facts of ``machine_info()``, the keys listed in
+``MACHINE_KEYS``: ``machine_cores`` (cores this process may run on), ``machine_memory_gb``,
+``machine_cpu`` (the CPU model), ``machine_gpu`` ("none", or the number of CUDA devices and
+the first one's name), ``machine_os``, ``machine_python`` and ``machine_load_1m`` (the
+1-minute load average when it was read, -1.0 where the OS has none). Measurements whose
+names also start with ``machine_`` (bench_scaling's ``machine_busy_{n}w``) are not among them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "MACHINE_KEYS",
     "bench_parser",
     "png_path",
     "machine_info",
@@ -100,13 +108,21 @@ def _gpu() -> str:
     return "none"
 
 
+MACHINE_KEYS = ("machine_cores", "machine_memory_gb", "machine_cpu", "machine_gpu", "machine_os",
+                "machine_python", "machine_load_1m")
+"""The keys ``machine_info()`` writes, exactly: facts about the machine, not measurements.
+report_md.py leaves these out of each script's table of metrics; its machines table and each
+section's first line give the cores, memory, CPU, GPU and load average."""
+
+
 def machine_info() -> dict[str, Any]:
-    """Facts about this machine, as flat ``machine_*`` keys ready to merge into the metrics."""
+    """Facts about this machine, as flat ``machine_*`` keys (``MACHINE_KEYS``) ready to merge
+    into the metrics."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         usable = os.cpu_count() or 0
-    return {
+    info = {
         "machine_cores": usable,
         "machine_memory_gb": round(_memory_gb(), 1),
         "machine_cpu": _cpu_model(),
@@ -116,6 +132,8 @@ def machine_info() -> dict[str, Any]:
         # Other work on the machine shows up as latency tails; record how busy it was.
         "machine_load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0,
     }
+    assert tuple(info) == MACHINE_KEYS, "MACHINE_KEYS must name exactly the keys written here"
+    return info
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -14,6 +14,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import MACHINE_KEYS
+
 __all__ = ["Row", "Spec", "Outcome", "write_report", "bottleneck_text", "copy_png"]
 
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
@@ -291,14 +293,16 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                     heads.append((o.name, machine, row, ev))
     else:
         lines += ["| metric | value |", "| --- | --- |"]
-        lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in sorted(m.items()) if not k.startswith("machine_")]
+        lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in sorted(m.items()) if k not in MACHINE_KEYS]
     own = {k: v for k, v in m.items() if k.startswith("goal_") and isinstance(v, bool)}
     if own:
         lines += ["", "The script's own goal checks: " + ", ".join(
             f"`{k}` {'yes' if v else '**no**'}" for k, v in sorted(own.items()))]
     if png_link:
         lines += ["", f"![{o.name}]({png_link})"]
-    rest = {k: v for k, v in sorted(m.items()) if not k.startswith("machine_")}
+    # Only the machine facts of common.machine_info() stay out: a measurement whose name starts
+    # with machine_ (bench_scaling's machine_busy_{n}w) is listed like any other.
+    rest = {k: v for k, v in sorted(m.items()) if k not in MACHINE_KEYS}
     lines += ["", f"<details><summary>All {len(rest)} metrics of this run</summary>", "",
               "| metric | value |", "| --- | --- |"]
     lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in rest.items()]
