@@ -7,7 +7,7 @@ segment may remain.
 
     python bench/soak.py                 # 10 minutes
     python bench/soak.py --quick         # 1 minute
-    python bench/soak.py --duration 3600 --workers 8 --json out/soak.json
+    python bench/soak.py --duration 3600 --workers 8 --json bench/out/soak.json
 
 Exit status 1 when anything was lost, wrong or left behind.
 """
