@@ -82,6 +82,9 @@ class EchoEngine(Engine):
         self._running: set[str] = set()
         self._resumed = asyncio.Event()
         self._resumed.set()
+        # Set, and replaced by a fresh one, at every resume and abort: a request held by a pause
+        # wakes and looks again (an abort ends it at once, paused or not, as vLLM's does).
+        self._wake = asyncio.Event()
         self._sleeping = False
         self.num_tokens = 0
         self.num_requests = 0
@@ -137,8 +140,8 @@ class EchoEngine(Engine):
                     if made:  # what was made is reported before waiting, stopping or failing
                         yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, None)
                         made = []
-                    if not self._resumed.is_set():
-                        await self._resumed.wait()
+                    while not self._resumed.is_set() and request_id not in self._aborted:
+                        await self._wake.wait()
                     if request_id in self._aborted:
                         yield EngineOutput([], [] if params.logprobs else None, _ABORT)
                         return
@@ -207,12 +210,18 @@ class EchoEngine(Engine):
             return
         if request_id in self._running:
             self._aborted.add(request_id)
+            self._poke()
 
     async def pause(self) -> None:
         self._resumed.clear()
 
     async def resume(self) -> None:
         self._resumed.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
 
     async def sleep(self, level: int = 1) -> None:
         self._sleeping = True

@@ -119,3 +119,24 @@ async def test_an_abort_between_steps_ends_with_the_tokens_made_so_far():
     assert [len(o.token_ids) for o in outputs] == [4, 4, 0]
     assert outputs[-1].finish_reason == "abort" and all(o.finish_reason is None for o in outputs[:-1])
     assert tokens == echo_tokens([3], 8)
+
+
+async def test_an_abort_while_paused_ends_the_request_at_once_the_others_wait_for_resume():
+    # as vLLM does (pause_generation keeps requests, abort still ends them): checked against the
+    # real vLLM engine in test_vllm_engine.py
+    engine = EchoEngine({"tokens_per_s": 200})
+    await engine.start()
+    held = asyncio.create_task(collect(engine, "held", [5], 30))
+    aborted = asyncio.create_task(collect(engine, "gone", [6], 30))
+    assert await wait_for(lambda: engine.num_tokens >= 4)
+    await engine.pause()
+    made = engine.num_tokens
+    await asyncio.sleep(0.05)  # 10 tokens' time: nothing is made while paused
+    assert engine.num_tokens == made
+    await engine.abort("gone")
+    tokens, finish = await asyncio.wait_for(aborted, 2)
+    assert finish == "abort" and 0 < len(tokens) < 30 and tokens == echo_tokens([6], len(tokens))
+    assert not held.done() and engine.num_tokens == made
+    await engine.resume()
+    tokens, finish = await asyncio.wait_for(held, 5)
+    assert finish == "length" and tokens == echo_tokens([5], 30)

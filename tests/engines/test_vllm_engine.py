@@ -234,6 +234,29 @@ async def test_pause_holds_a_running_stream_and_resume_finishes_it(engine, hf):
     assert got == ref
 
 
+async def test_an_abort_while_paused_ends_the_request_at_once(engine, hf):
+    # what the echo engine mirrors (test_echo_engine.py): pause keeps requests, abort ends them
+    ref = hf_greedy(hf, PROMPT, 64)
+    got = []
+    first = asyncio.Event()
+
+    async def run():
+        async for out in engine.generate("paused-abort", PROMPT, greedy(64)):
+            got.extend(out.token_ids)
+            first.set()
+        return out.finish_reason
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(first.wait(), 30)
+    await engine.pause()
+    try:
+        await asyncio.sleep(0.05)
+        await engine.abort("paused-abort")
+        assert await asyncio.wait_for(task, 5) == "abort"
+        assert 0 < len(got) < 64 and got == ref[:len(got)]
+    finally:
+        await engine.resume()
+
 async def test_clear_kv_cache_and_unsupported_lora_and_profile(engine):
     await engine.clear_kv_cache()
     from rollfleet.errors import Unsupported
