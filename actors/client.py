@@ -258,7 +258,11 @@ class RemoteClient(_Base):
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=SocketOptions(),
+        options = SocketOptions()
+        # The fleet's answers are read up to the size the socket takes (a long result can pass
+        # the codec's 16 MiB default for untrusted input).
+        self._max_bytes = options.max_message_bytes
+        self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=options,
                                  curve_client_keys=curve_keys)
         self._lsock: LoopSocket | None = None  # made on first use, on the caller's event loop
         self._sinks: dict[str, Any] = {}
@@ -306,7 +310,7 @@ class RemoteClient(_Base):
     def _on_frames(self, frames: list[bytes]) -> None:
         # (header,) -- further frames are ignored
         try:
-            msg = codec.decode(frames[:1])
+            msg = codec.decode(frames[:1], self._max_bytes)
         except codec.DecodeError as exc:
             logger.warning("bad message from the fleet: %s", exc)
             return

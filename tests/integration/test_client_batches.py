@@ -231,6 +231,38 @@ async def test_remote_client_talks_to_a_fleet_without_hello_one_message_to_a_fra
         ctx.term()
 
 
+async def test_remote_client_reads_an_answer_larger_than_the_codecs_default_header_limit():
+    """A stand-in fleet (a ROUTER) answers a generate with a result of 6 million tokens, some
+    18 MB: more than codec.DEFAULT_MAX_HEADER_BYTES, well within the socket's message size."""
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    tokens = [30000 + i % 1000 for i in range(6_000_000)]  # 3 bytes each in msgpack
+
+    async def serve() -> None:
+        while True:
+            identity, frame = await server.recv_multipart()
+            msg = msgpack.unpackb(frame, raw=False)
+            if msg["type"] == "hello":
+                answer = {"v": 1, "type": "reply", "id": msg["id"], "data": {"batch": False}}
+            else:
+                answer = {"v": 1, "type": "result", "id": msg["id"], "token_ids": tokens, "finish_reason": "length"}
+            frame = msgpack.packb(answer)
+            if msg["type"] != "hello":
+                assert len(frame) > codec.DEFAULT_MAX_HEADER_BYTES
+            await server.send_multipart([identity, frame])
+
+    task = asyncio.create_task(serve())
+    try:
+        async with RemoteClient(f"tcp://127.0.0.1:{port}") as client:
+            result = await client.generate("long", [1], SamplingParams(max_tokens=6_000_000), timeout=60)
+            assert result.token_ids == tokens
+    finally:
+        task.cancel()
+        server.close(0)
+        ctx.term()
+
 async def test_remote_client_keeps_working_when_the_fleet_restarts_and_forgets_its_hello():
     with socket.socket() as probe:  # a free port both fleets bind in turn
         probe.bind(("127.0.0.1", 0))
