@@ -54,3 +54,15 @@ def test_demo_runs_on_the_echo_engine_and_exits_cleanly(tmp_path):
     assert "aborted                1" in out.stdout
     assert "weight versions seen" in out.stdout and "fleet shut down cleanly" in out.stdout
     assert not [p for p in os.listdir(tmp_path) if p.startswith("rollfleet-")]
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path):
+    text = (Path(rollfleet.__file__).parent / "README.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = out.stdout.strip().splitlines()[-2:]
+    assert first.endswith("[0]") and second.endswith("[1]")  # weight versions before and after the update
+    assert first.split("]")[0] != second.split("]")[0]  # other weights, other tokens
