@@ -310,20 +310,20 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
         assert sup.counters["completed"] == 1  # "keep" alone: none of the bad requests ran
 
 
-
 async def test_logprobs_asked_for_come_as_a_list_even_without_tokens():
-    async with fleet(1, engine_options={"tokens_per_s": 5}) as sup:
+    async with fleet(1, engine_options={"tokens_per_s": 2}) as sup:
         client = sup.client()
         none = await client.generate("n", [1], SamplingParams(max_tokens=0, logprobs=True))
         assert none.token_ids == [] and none.logprobs == []
         assert (await client.generate("p", [1], SamplingParams(max_tokens=0))).logprobs is None
         slow = asyncio.create_task(client.generate("s", [1], SamplingParams(max_tokens=50, logprobs=True)))
         assert await wait_for(lambda: getattr(sup.table.get("local", "s"), "inner_id", None) is not None)
-        assert await client.abort("s")  # the first token is 0.2 s away
+        assert await client.abort("s")  # the first token is 0.5 s away
         aborted = await slow
         assert aborted.finish_reason == "abort" and aborted.token_ids == [] and aborted.logprobs == []
         some = await client.generate("t", [1], SamplingParams(max_tokens=2, logprobs=True))
         assert len(some.token_ids) == len(some.logprobs) == 2
+
 
 def test_device_env_is_safe_and_maps_visible_devices():
     assert device_env("cpu", {}) == {}
