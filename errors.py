@@ -12,9 +12,10 @@
     │   ├── WorkerLost               the worker serving it died and it was not resumed
     │   ├── ResumeExhausted          it was interrupted more often than allowed
     │   └── RequestTimeout           no answer within the deadline
-    └── FleetError                   the fleet itself is broken (unrecoverable)
+    └── FleetError                   a fleet-wide operation failed, or the fleet is gone
         ├── WorkerStartError         a worker failed to start or register
-        ├── WeightUpdateError        a weight update failed on some worker
+        ├── WeightUpdateError        a weight update failed (every worker keeps its previous
+        │                            weights and the fleet serves on: retry the update)
         └── FleetClosed              the fleet is shut down or shutting down
 
 Every error that crosses the wire has a string ``code`` (see PROTOCOL.md); ``from_code``
@@ -55,54 +56,80 @@ class RolloutError(Exception):
 
 
 class RequestError(RolloutError):
+    """One request or call failed; the fleet is fine."""
+
     code = "request_failed"
 
 
 class InvalidRequest(RequestError):
+    """Bad input: a malformed message, a wrong field type or value, an unknown request id or op."""
+
     code = "bad_message"
 
 
 class DuplicateRequest(RequestError):
+    """A request with this id is already in flight for this client."""
+
     code = "duplicate_request"
 
 
 class Overloaded(RequestError):
+    """This client has max_inflight_per_client requests in flight; retry later."""
+
     code = "overloaded"
 
 
 class Unsupported(RequestError):
+    """The engine lacks this operation (a control op, weight loading, LoRA)."""
+
     code = "unsupported"
 
 
 class EngineFailed(RequestError):
+    """The engine raised while serving the request or operation."""
+
     code = "engine_error"
 
 
 class WorkerLost(RequestError):
+    """The worker serving the request died and the request was not resumed."""
+
     code = "worker_lost"
 
 
 class ResumeExhausted(RequestError):
+    """The request was interrupted more than max_resume_attempts times."""
+
     code = "resume_exhausted"
 
 
 class RequestTimeout(RequestError):
+    """No answer within the deadline; a request is aborted on its worker."""
+
     code = "timeout"
 
 
 class FleetError(RolloutError):
+    """A fleet-wide operation failed, or the fleet is gone."""
+
     code = "fleet_error"
 
 
 class WorkerStartError(FleetError):
+    """A worker failed to start or register."""
+
     code = "worker_start_failed"
 
 
 class WeightUpdateError(FleetError):
+    """A weight update failed; every worker keeps its previous weights and the fleet serves on."""
+
     code = "weights_failed"
 
 
 class FleetClosed(FleetError):
+    """The fleet is shut down or shutting down."""
+
     code = "shutting_down"
 
 

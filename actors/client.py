@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import FleetClosed, RequestTimeout, RolloutError, from_code
+from ..errors import FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
 from ..transport import codec
 from ..transport.aio import LoopSocket
 from ..transport.messages import (
@@ -46,15 +46,31 @@ _END = object()
 def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
     if sampling_params is None:
         return SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return sampling_params
     if isinstance(sampling_params, dict):
-        return SamplingParams.from_wire(sampling_params)
-    return sampling_params
+        try:
+            return SamplingParams.from_wire(sampling_params)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(f"sampling_params: {exc}", code="bad_field") from None
+    raise InvalidRequest(f"sampling_params must be a SamplingParams, a dict or None, not {type(sampling_params).__name__}",
+                         code="bad_field")
 
 
 def _prompt(prompt_ids: Any) -> list[int]:
     # Either path copies it (the supervisor into its table, RemoteClient into a message)
-    # before the caller gets control back; only a non-list needs turning into one.
-    return prompt_ids if type(prompt_ids) is list else list(prompt_ids)
+    # before the caller gets control back; only a non-list needs turning into one. Its
+    # elements are checked where it is decoded (a worker, or the frontend), not per call here.
+    if type(prompt_ids) is list:
+        return prompt_ids
+    if isinstance(prompt_ids, (str, bytes)):
+        raise InvalidRequest(f"prompt_ids must be token ids (ints), not {type(prompt_ids).__name__}", code="bad_field")
+    return list(prompt_ids)
+
+
+def _check_id(request_id: Any) -> None:
+    if type(request_id) is not str or not request_id:
+        raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}", code="bad_field")
 
 
 class _Base:
@@ -65,7 +81,8 @@ class _Base:
 
     # ---- hooks: override in a subclass to build abort policies, metrics, ...
     def on_dispatch(self, request_id: str) -> None:
-        """Called when a request has been handed to the fleet."""
+        """Called when a request has been handed to the fleet (RemoteClient: sent to it; the
+        fleet may still refuse it, and the call then raises without on_complete)."""
 
     def on_complete(self, result: GenerationResult) -> None:
         """Called with every finished result (including aborted ones)."""
@@ -90,6 +107,7 @@ class _Base:
         RequestTimeout (``timeout`` passed; the request is aborted on its worker),
         FleetClosed.
         """
+        _check_id(request_id)
         if timeout is None:
             timeout = self.default_timeout_s
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -145,6 +163,7 @@ class _Base:
     async def _run(self, request_id: str, prompt_ids: list[int], sampling_params: Any, stream: bool,
                    session_id: str | None, resume: bool | None, timeout: float | None
                    ) -> AsyncIterator[StreamChunk | GenerationResult]:
+        _check_id(request_id)
         if timeout is None:
             timeout = self.default_timeout_s
         queue: asyncio.Queue[Message] = asyncio.Queue()
@@ -413,4 +432,7 @@ class RemoteClient(_Base):
         return await self._call(Stats(id=f"s{next(self._ids)}"))
 
     async def control(self, op: str, **args: Any) -> dict[str, Any]:
-        return await self._call(Control(id=f"c{next(self._ids)}", op=op, args=args))
+        """{worker id: reply data}, as LLMClient.control. Raises Unsupported when an engine
+        lacks ``op``, InvalidRequest for an unknown op or bad args."""
+        data = await self._call(Control(id=f"c{next(self._ids)}", op=op, args=args))
+        return data.get("workers", data)

@@ -914,9 +914,14 @@ class Supervisor:
         adapter's, loaded through the same buckets and used for later requests (vLLM with
         engine option enable_lora=True).
 
-        Raises WeightUpdateError naming the worker and the cause (every worker then keeps
-        its previous version and generation resumes), Unsupported (e.g. LoRA on an engine
-        without it), FleetClosed, ValueError.
+        ``version`` is any int >= 0 and is stamped as given: it need not grow (going back to
+        an earlier checkpoint is allowed), though results can then no longer be told apart by it.
+
+        Raises WeightUpdateError naming the cause and, when a worker failed, the worker (every
+        worker then keeps its previous version and generation resumes; what ``named_tensors``
+        yields that is not (name, tensor) pairs fails the same way, with no worker named),
+        Unsupported (e.g. LoRA on an engine without it), FleetClosed, ValueError (a bad
+        version, transport or bucket size).
         """
         self._check_open()
         return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes,

@@ -119,6 +119,10 @@ class SyncClient:
         """Push weights to every worker (Supervisor.update_weights). Blocks until committed."""
         return self._call(self.supervisor.update_weights(named_tensors, version, **kwargs))
 
+    def control(self, op: str, **args: Any) -> dict[str, Any]:
+        """A control op on every ready worker (LLMClient.control); {worker id: reply data}."""
+        return self._call(self.client.control(op, **args))
+
     def sleep(self, level: int = 1) -> dict[str, Any]:
         return self._call(self.client.sleep(level))
 

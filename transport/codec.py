@@ -281,10 +281,12 @@ def _from_header(header: dict[str, Any], accept: frozenset[str] | None = None) -
                 raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", msg_id)
             continue
         # An empty container (or None) has no contents to check.
-        if type(value) not in types or (contents is not None and value and not contents(value)):
+        if type(value) not in types:
             raise DecodeError(
                 "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", msg_id
             )
+        if contents is not None and value and not contents(value):
+            raise DecodeError("bad_field", f"{type_tag}: field '{name}' holds an element of the wrong type", msg_id)
         values[name] = value
     return _build(spec, values, type_tag, msg_id)
 

@@ -21,7 +21,7 @@ import zmq.asyncio
 from rollfleet.actors import FleetConfig, LLMClient, RemoteClient, Supervisor
 from rollfleet.actors.process import device_env
 from rollfleet.engines.echo import echo_tokens
-from rollfleet.errors import DuplicateRequest, RequestTimeout, WorkerLost, WorkerStartError
+from rollfleet.errors import DuplicateRequest, InvalidRequest, RequestTimeout, WorkerLost, WorkerStartError
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, SamplingParams
 
@@ -324,6 +324,24 @@ async def test_logprobs_asked_for_come_as_a_list_even_without_tokens():
         some = await client.generate("t", [1], SamplingParams(max_tokens=2, logprobs=True))
         assert len(some.token_ids) == len(some.logprobs) == 2
 
+
+async def test_clients_refuse_bad_arguments_with_invalid_request_before_sending():
+    async with fleet(1) as sup:
+        async with RemoteClient(sup.frontend_address, call_timeout_s=5) as remote:
+            for client in (sup.client(), remote):
+                for args in ((123, [1]), ("", [1]), ("p", "abc"), ("s", [1], {"max_tokens": -1}),
+                             ("t", [1], {"temperature": "hot"}), ("u", [1], [("max_tokens", 2)])):
+                    with pytest.raises(InvalidRequest) as info:
+                        await asyncio.wait_for(client.generate(*args), 5)  # a bad id once hung a RemoteClient
+                    assert info.value.code == "bad_field", (client, args)
+                    with pytest.raises(InvalidRequest):
+                        async for _ in client.stream(*args):
+                            pass
+                assert (await client.generate("ok", [1], {"max_tokens": 2})).token_ids == expected_tokens([1], 2)
+            # control answers in one shape from both: {worker id: reply data}
+            assert await remote.control("clear_kv_cache") == await sup.client().control("clear_kv_cache")
+            assert list(await remote.control("clear_kv_cache")) == [h.worker_id for h in sup.ready_workers()]
+        assert sup.counters["completed"] == 2
 
 def test_device_env_is_safe_and_maps_visible_devices():
     assert device_env("cpu", {}) == {}

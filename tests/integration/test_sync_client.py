@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollfleet.actors import FleetConfig, SyncClient
-from rollfleet.errors import FleetClosed
+from rollfleet.errors import FleetClosed, InvalidRequest
 from rollfleet.transport.messages import SamplingParams
 
 from .test_fleet_echo import expected_tokens
@@ -25,6 +25,12 @@ def test_generate_batch_update_and_controls_from_plain_code():
         assert r.token_ids == expected_tokens([5], 3, offset=3) and r.weight_versions == [4]
         fleet.sleep()
         fleet.wake_up()
+        workers = fleet.control("clear_kv_cache")
+        assert sorted(workers) == sorted(w["worker_id"] for w in fleet.stats()["workers"])
+        assert all(data == {"op": "clear_kv_cache"} for data in workers.values())
+        # bad sampling given as a map fails each slot with the library's error, not a ValueError
+        bad = fleet.generate_batch([[1], [2]], {"max_tokens": -1}, return_exceptions=True)
+        assert all(isinstance(e, InvalidRequest) and e.code == "bad_field" for e in bad)
         stats = fleet.stats()
         assert stats["weight_version"] == 4 and stats["num_workers"] == 2
         pids = [w["pid"] for w in stats["workers"]]

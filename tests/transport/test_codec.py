@@ -223,3 +223,12 @@ def test_build_and_encode_values_match_the_constructor_and_encode(msg):
     assert codec.encode_values(type(msg), *values) == codec.encode(msg)
     with pytest.raises(TypeError):
         codec.encode_values(type(msg), *values, "one too many")
+
+
+def test_a_list_with_an_element_of_the_wrong_type_is_named_as_such():
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": ["a", "b"]})
+    with pytest.raises(codec.DecodeError, match="field 'prompt_ids' holds an element of the wrong type"):
+        codec.decode([raw])
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": "ab"})
+    with pytest.raises(codec.DecodeError, match="field 'prompt_ids' has wrong type str"):
+        codec.decode([raw])
