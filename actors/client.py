@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from ..errors import FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
+from ..errors import DuplicateRequest, FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
 from ..transport import codec
 from ..transport.aio import LoopSocket
 from ..transport.messages import (
@@ -395,8 +395,6 @@ class RemoteClient(_Base):
 
     def _start(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
         if request_id in self._sinks:
-            from ..errors import DuplicateRequest
-
             raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
         self._sinks[request_id] = sink
         # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)

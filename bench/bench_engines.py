@@ -72,7 +72,7 @@ import sys
 import tempfile
 import time
 
-from common import bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, write_json
+from common import bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.engines import create_engine
@@ -290,13 +290,7 @@ def main() -> None:
     unknown = set(args.engines) - set(ENGINES)
     if unknown or not args.engines:
         parser.error(f"--engines takes a subset of {','.join(ENGINES)}")
-    # `is None`, not `or`: an explicit 0 must reach the check below, not become the default.
-    if args.requests is None:
-        args.requests = 16 if args.quick else 64
-    if args.max_tokens is None:
-        args.max_tokens = 64 if args.quick else 128
-    if args.rounds is None:
-        args.rounds = 2 if args.quick else 5
+    quick_defaults(args, requests=(16, 64), max_tokens=(64, 128), rounds=(2, 5))  # an explicit 0 meets the check
     if args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
         parser.error("--requests, --max-tokens and --rounds must be >= 1")
     # vLLM by default only, and once: a re-executed run (IOMP_ENV set) kept vLLM because it imported.

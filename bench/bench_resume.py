@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from common import bench_parser, machine_info, png_path, print_table, write_json
+from common import bench_parser, machine_info, png_path, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, StreamChunk, Supervisor
 from rollfleet.transport.messages import SamplingParams
@@ -518,12 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Seed of the prompts and their max_tokens and, with torch, of the tiny model's "
                              "weights and the engine (default 0).")
     args = parser.parse_args(argv)
-    if args.duration is None:
-        args.duration = 8.0 if args.quick else 30.0
-    if args.every is None:
-        args.every = 2.0 if args.quick else 3.0
-    if args.rounds is None:
-        args.rounds = 1 if args.quick else 3
+    quick_defaults(args, duration=(8.0, 30.0), every=(2.0, 3.0), rounds=(1, 3))
     if min(args.workers, args.inflight, args.max_tokens, args.prompt_len, args.rounds) < 1:
         parser.error("--workers, --inflight, --max-tokens, --prompt-len and --rounds must be >= 1")
     if not 0 <= args.spread < 1:

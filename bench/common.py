@@ -33,6 +33,7 @@ from typing import Any
 __all__ = [
     "MACHINE_KEYS",
     "bench_parser",
+    "quick_defaults",
     "png_path",
     "machine_info",
     "percentile",
@@ -53,6 +54,14 @@ def bench_parser(description: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--png", metavar="PATH",
                         help="Write a plot here (default: next to --json, with a .png suffix).")
     return parser
+
+
+def quick_defaults(args: argparse.Namespace, **defaults: tuple[Any, Any]) -> None:
+    """Fill each option left unset (None) with its (``--quick``, full run) default; an option
+    given on the command line, 0 included, stays as given."""
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
 
 
 def png_path(args: argparse.Namespace) -> str | None:

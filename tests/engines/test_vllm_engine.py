@@ -210,19 +210,26 @@ async def test_load_from_descriptor_leaves_the_callers_segment(engine, hf):
             os.unlink(os.path.join("/dev/shm", seg))
 
 
-async def test_pause_holds_a_running_stream_and_resume_finishes_it(engine, hf):
-    ref = hf_greedy(hf, PROMPT, 64)
-    got = []
+async def started_stream(engine, request_id: str, max_tokens: int):
+    """A greedy generation run in a task (it returns the finish reason) and the list its tokens
+    go into, once its first token has come."""
+    got: list[int] = []
     first = asyncio.Event()
 
     async def run():
-        async for out in engine.generate("paused", PROMPT, greedy(64)):
+        async for out in engine.generate(request_id, PROMPT, greedy(max_tokens)):
             got.extend(out.token_ids)
             first.set()
         return out.finish_reason
 
     task = asyncio.create_task(run())
     await asyncio.wait_for(first.wait(), 30)
+    return task, got
+
+
+async def test_pause_holds_a_running_stream_and_resume_finishes_it(engine, hf):
+    ref = hf_greedy(hf, PROMPT, 64)
+    task, got = await started_stream(engine, "paused", 64)
     await engine.pause()
     await asyncio.sleep(0.05)  # a step already under way may still deliver its token
     assert engine.stats()["paused"]
@@ -237,17 +244,7 @@ async def test_pause_holds_a_running_stream_and_resume_finishes_it(engine, hf):
 async def test_an_abort_while_paused_ends_the_request_at_once(engine, hf):
     # what the echo engine mirrors (test_echo_engine.py): pause keeps requests, abort ends them
     ref = hf_greedy(hf, PROMPT, 64)
-    got = []
-    first = asyncio.Event()
-
-    async def run():
-        async for out in engine.generate("paused-abort", PROMPT, greedy(64)):
-            got.extend(out.token_ids)
-            first.set()
-        return out.finish_reason
-
-    task = asyncio.create_task(run())
-    await asyncio.wait_for(first.wait(), 30)
+    task, got = await started_stream(engine, "paused-abort", 64)
     await engine.pause()
     try:
         await asyncio.sleep(0.05)
