@@ -122,7 +122,8 @@ class WorkerStartError(FleetError):
 
 
 class WeightUpdateError(FleetError):
-    """A weight update failed; every worker keeps its previous weights and the fleet serves on."""
+    """A weight update failed; the fleet serves on with the previous weights (see
+    Supervisor.update_weights for a worker that had loaded part of the update)."""
 
     code = "weights_failed"
 

@@ -905,8 +905,10 @@ class Supervisor:
         """Push new weights to every ready worker and stamp them with ``version``.
 
         ``named_tensors`` is an iterable of (name, tensor), consumed lazily (a generator lets
-        an FSDP trainer gather one parameter at a time), or a callable returning one (then it
-        is called again to bring restarted workers up to date). Running requests are
+        an FSDP trainer gather one parameter at a time), a mapping of name to tensor (a
+        ``state_dict()``), or a callable returning either (then it is called again to bring
+        restarted workers up to date). A name given twice is loaded twice, the last one
+        winning; an empty update loads nothing and stamps the version. Running requests are
         interrupted and, unless they asked for hard abort, resume afterwards with their
         partial output. Returns a weights.UpdateReport.
 
@@ -914,14 +916,19 @@ class Supervisor:
         adapter's, loaded through the same buckets and used for later requests (vLLM with
         engine option enable_lora=True).
 
-        ``version`` is any int >= 0 and is stamped as given: it need not grow (going back to
-        an earlier checkpoint is allowed), though results can then no longer be told apart by it.
+        ``version`` is any int in [0, 2**63) and is stamped as given: it need not grow (going
+        back to an earlier checkpoint is allowed), though results can then no longer be told
+        apart by it.
 
-        Raises WeightUpdateError naming the cause and, when a worker failed, the worker (every
-        worker then keeps its previous version and generation resumes; what ``named_tensors``
-        yields that is not (name, tensor) pairs fails the same way, with no worker named),
-        Unsupported (e.g. LoRA on an engine without it), FleetClosed, ValueError (a bad
-        version, transport or bucket size).
+        Raises WeightUpdateError naming the cause and, when a worker failed, the worker; what
+        ``named_tensors`` yields that is not (str, tensor) pairs fails the same way, with no
+        worker named. Generation then resumes on the previous version: a worker that had
+        loaded part of the update is given the last good weights again (from the kept copy,
+        ``FleetConfig.keep_last_weights``, or the callable), or, with neither at hand (the
+        fleet's first update, or that option off with tensors that are not a callable), is
+        restarted, which loads its initial weights (version 0); none serves a mix. Also
+        raises Unsupported (e.g. LoRA on an engine without it), FleetClosed, and ValueError (a
+        bad version, transport or bucket size; before any request is interrupted).
         """
         self._check_open()
         return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes,

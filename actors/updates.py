@@ -12,7 +12,9 @@ The Supervisor owns one WeightSync. An update:
 A worker restarted later is brought to the current version before it serves, from the last
 update's tensors (kept on the CPU when ``keep_last_weights``: two copies used in turn, so a
 failed update never damages the last good one) or from a callable source. A worker left with
-partly applied weights by a failed update is restored the same way.
+partly applied weights by a failed update is restored the same way; with nothing to restore
+from (the fleet's first update, or ``keep_last_weights=False`` with tensors that are not a
+callable) it is restarted, which loads its initial weights (version 0), never left serving a mix.
 """
 
 from __future__ import annotations
@@ -72,15 +74,18 @@ class WeightSync:
     async def _catch_up_locked(self, handle: WorkerHandle) -> None:
         if not self.needs_catch_up(handle):
             return
+        from ..weights.bucket import named_pairs
+
         version = self.sup.weight_version
-        tensors = self._source() if self._source is not None else list(self._last or [])
+        tensors = named_pairs(self._source()) if self._source is not None else list(self._last or [])
         logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
         await self._sender().update(tensors, version, [handle])
         handle.weight_version = version
 
     async def _repair(self, links: list[WorkerHandle]) -> None:
         """After a failed update: a worker that applied part of it before the failure reports
-        version -1 (its weights are a mix); bring it back to the last good version."""
+        version -1 (its weights are a mix); bring it back to the last good version, or restart
+        it when nothing of that version is at hand (a restart loads the initial weights)."""
         from ..transport.messages import Stats
 
         for handle in links:
@@ -94,12 +99,19 @@ class WeightSync:
             handle.weight_version = int(data.get("weight_version", handle.weight_version))
             if handle.weight_version == self.sup.weight_version:
                 continue
+            if handle.weight_version == -1 and self._source is None and self._last is None:
+                self._restart(handle, "left with partly applied weights, and no copy of the last good ones is kept")
+                continue
             try:
                 await self._catch_up_locked(handle)
             except Exception as exc:
-                handle.last_error = f"left with partly applied weights and could not be restored: {exc}"
-                logger.error("worker %s: %s; restarting it", handle.worker_id, handle.last_error)
-                handle.proc.kill()  # restarted, then caught up before it serves
+                self._restart(handle, f"left with partly applied weights and could not be restored: {exc}")
+
+    def _restart(self, handle: WorkerHandle, reason: str) -> None:
+        """Take a worker out at once (no request is sent to it from here on) and have it
+        restarted: its engine loads its initial weights, and it is caught up before it serves."""
+        logger.error("worker %s: %s; restarting it", handle.worker_id, reason)
+        self.sup._on_worker_dead(handle, reason)
 
     # ------------------------------------------------------------------ update
     async def update(
@@ -116,6 +128,12 @@ class WeightSync:
             raise FleetClosed("the fleet is not running")
         if sup.config.mode == "colocated":
             raise Unsupported("a colocated fleet takes no weight updates (mode='colocated')")
+        from ..weights.bucket import named_pairs
+        from ..weights.sender import check_version
+
+        # Bad arguments fail here, before any request is interrupted.
+        check_version(version)
+        sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
         async with self._lock:
             if lora is not None:
                 lacking = [h.worker_id for h in sup.workers.values()
@@ -128,10 +146,10 @@ class WeightSync:
                 keep_lora = False
             if callable(named_tensors):
                 self._source = named_tensors
-                tensors: NamedTensors = named_tensors()
+                tensors: NamedTensors = named_pairs(named_tensors())
             else:
                 self._source = None
-                tensors = named_tensors
+                tensors = named_pairs(named_tensors)
             # Adapters are not base weights: they are not kept for catching up restarted workers.
             keep: list[tuple[str, Any]] | None = (
                 [] if self.keep_last_weights and self._source is None and not keep_lora else None
@@ -146,7 +164,6 @@ class WeightSync:
                 links = [h for h in sup.workers.values() if h.state is WorkerState.READY]
                 if not links:
                     raise WeightUpdateError("no ready worker to update")
-                sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
                 try:
                     report = await sender.update(tensors, version, links, lora=lora)
                 except WeightUpdateError as exc:
@@ -191,7 +208,10 @@ def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str,
     The previous update's copies are reused when name, shape and dtype match, so steady-state
     updates copy into memory that is already there instead of allocating the model anew.
     """
-    for name, tensor in tensors:
+    from ..weights.bucket import check_pair
+
+    for item in tensors:
+        name, tensor = check_pair(item)
         old = previous.get(name)
         src = tensor.detach()
         if old is not None and old.shape == src.shape and old.dtype == src.dtype:

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from ..engines import Engine, EngineDead, create_engine
-from ..errors import RolloutError, Unsupported
+from ..errors import InvalidRequest, RolloutError, Unsupported
 from ..transport import codec
 from ..transport.messages import (
     CONTROL_OPS,
@@ -302,6 +302,9 @@ class EngineWorker:
             raise RuntimeError("engine stream ended without a finish reason")
         except asyncio.CancelledError:
             raise
+        except InvalidRequest as exc:  # the engine refused the input: the client's to fix
+            logger.warning("request %s refused: %s", msg.id, exc)
+            self._send(Error(id=msg.id, code=exc.code, message=str(exc), request_id=msg.id))
         except Exception as exc:
             logger.exception("request %s failed", msg.id)
             self._send(Error(id=msg.id, code="engine_error", message=repr(exc), request_id=msg.id))

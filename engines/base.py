@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import Unsupported
+from ..errors import InvalidRequest, Unsupported
 from ..transport.messages import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "EngineDead", "CAPABILITIES"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "CAPABILITIES", "check_prompt"]
 
 
 class EngineDead(RuntimeError):
@@ -45,6 +45,20 @@ class EngineOutput:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     """None while running; then one of FinishReason's values."""
+
+
+def check_prompt(request_id: str, prompt_ids: list[int], *, max_len: int, vocab_size: int) -> None:
+    """Refuse a prompt the model cannot take: InvalidRequest (wire code ``bad_field``) when it
+    is empty, has ``max_len`` tokens or more (no room for one more), or holds an id outside
+    [0, vocab_size)."""
+    if not prompt_ids:
+        raise InvalidRequest("prompt_ids is empty", code="bad_field", request_id=request_id)
+    if len(prompt_ids) >= max_len:
+        raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the model takes fewer than {max_len}",
+                             code="bad_field", request_id=request_id)
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", code="bad_field",
+                             request_id=request_id)
 
 
 class Engine(abc.ABC):
@@ -75,7 +89,9 @@ class Engine(abc.ABC):
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        """Stream outputs until one has a finish_reason. Aborting ends the stream with 'abort'."""
+        """Stream outputs until one has a finish_reason. Aborting ends the stream with 'abort'.
+        A prompt or sampling the engine refuses raises InvalidRequest with code ``bad_field``
+        (``check_prompt``): the worker answers with that code, not ``engine_error``."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

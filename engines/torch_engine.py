@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from ..errors import DuplicateRequest, EngineFailed, FleetClosed, InvalidRequest
+from ..errors import DuplicateRequest, EngineFailed, FleetClosed
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineOutput
+from .base import Engine, EngineOutput, check_prompt
 from .torch_runner import Runner, Seq, settle
 
 __all__ = ["TorchEngine"]
@@ -129,13 +129,7 @@ class TorchEngine(Engine):
         runner = self._live()
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already running", request_id=request_id)
-        if not prompt_ids:
-            raise InvalidRequest("prompt_ids is empty", request_id=request_id)
-        if len(prompt_ids) >= runner.max_len:
-            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the model takes fewer than {runner.max_len}",
-                                 request_id=request_id)
-        if min(prompt_ids) < 0 or max(prompt_ids) >= runner.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {runner.vocab_size})", request_id=request_id)
+        check_prompt(request_id, prompt_ids, max_len=runner.max_len, vocab_size=runner.vocab_size)
         self.num_requests += 1
         if params.max_tokens == 0:
             yield EngineOutput([], [] if params.logprobs else None, FinishReason.LENGTH.value)

@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from ..actors.process import record_shm, shm_names_mapped, unlink_shm
-from ..errors import EngineFailed, Unsupported
+from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineDead, EngineOutput
+from .base import Engine, EngineDead, EngineOutput, check_prompt
 
 __all__ = ["VllmEngine", "EngineDead", "write_segment"]
 
@@ -83,6 +83,12 @@ def write_segment(weights: Iterable[tuple[str, Any]]) -> tuple[str, list[dict[st
     finally:
         os.close(fd)
     return seg, entries
+
+
+def _client_error(exc: BaseException) -> bool:
+    """vLLM's own verdict that a request is the client's fault (its VLLMClientError, the 4xx
+    of its server; absent in old versions)."""
+    return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
 
 
 def _terminate(procs: list[Any]) -> None:
@@ -315,8 +321,13 @@ class VllmEngine(Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        """Raises EngineDead, EngineFailed (vLLM rejected or failed the request)."""
+        """Raises InvalidRequest (a prompt the model cannot take, or a request vLLM refuses as
+        the client's fault), EngineDead, EngineFailed (vLLM failed the request)."""
         llm = self._check()
+        # vLLM checks the prompt's length but not its ids: an id outside the vocabulary would
+        # reach the model's embedding.
+        config = llm.model_config
+        check_prompt(request_id, prompt_ids, max_len=config.max_model_len, vocab_size=config.get_vocab_size())
         if params.max_tokens == 0:
             yield EngineOutput([], [] if params.logprobs else None, FinishReason.LENGTH.value)
             return
@@ -352,6 +363,9 @@ class VllmEngine(Engine):
         except Exception as exc:
             if self.dead:
                 raise EngineDead(str(exc)) from exc
+            if _client_error(exc):
+                raise InvalidRequest(f"vllm refused request {request_id}: {exc}", code="bad_field",
+                                     request_id=request_id) from exc
             raise EngineFailed(f"vllm failed request {request_id}: {exc}", request_id=request_id) from exc
         finally:
             self._running.discard(request_id)

@@ -25,7 +25,7 @@ larger than a bucket goes alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ __all__ = [
     "bucket_nbytes",
     "check_whole",
     "is_in_place",
+    "named_pairs",
+    "check_pair",
 ]
 
 ALIGN = 64
@@ -82,6 +84,23 @@ def dtype_from_name(name: Any) -> torch.dtype:
         return DTYPES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def named_pairs(named_tensors: Any) -> Iterable[Any]:
+    """What an update's ``named_tensors`` stands for as (name, tensor) pairs: a Mapping (a
+    ``state_dict()``) gives its items, anything else is taken as an iterable of pairs."""
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def check_pair(item: Any) -> tuple[str, torch.Tensor]:
+    """One element of an update's tensors, checked: a (str, torch.Tensor) pair."""
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
+                         f"{type(tensor).__name__})")
+    return name, tensor
 
 
 def _align(n: int) -> int:
@@ -167,7 +186,7 @@ class Packer:
         self.nbytes = 0
         self.nbytes_in_place = 0
         self._in_place = in_place
-        self._source = iter(named_tensors)
+        self._source = iter(named_pairs(named_tensors))
         self._pending: _Pending | None = None
 
     def stop_in_place(self, *yielded: Bucket | None) -> None:
@@ -188,12 +207,7 @@ class Packer:
         if item is _END:
             return None
         self.num_taken += 1
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise ValueError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-        name, tensor = item
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
-                             f"{type(tensor).__name__})")
+        name, tensor = check_pair(item)
         dtype_name(tensor.dtype)  # refuse unknown dtypes before any byte moves
         nbytes = tensor.numel() * tensor.element_size()
         self.num_tensors += 1

@@ -40,7 +40,7 @@ from . import remote, shm
 from .bucket import ALIGN, Bucket, Packer, fill, is_in_place
 from .config import WeightSyncConfig, choose_transport
 
-__all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport", "release_buffers"]
+__all__ = ["WorkerLink", "WeightSender", "UpdateReport", "WorkerReport", "release_buffers", "check_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,13 @@ class _LinkFailed(Exception):
         super().__init__(f"{worker_id}: {type(cause).__name__}: {cause}")
         self.worker_id = worker_id
         self.cause = cause
+
+
+def check_version(version: Any) -> int:
+    """A weight version: an int in [0, 2**63) (it travels as a signed 64-bit int); else ValueError."""
+    if type(version) is not int or not 0 <= version < 1 << 63:
+        raise ValueError(f"version must be an int in [0, 2**63), got {version!r}")
+    return version
 
 
 def _together(tasks: list) -> asyncio.Future:
@@ -199,8 +206,7 @@ class WeightSender:
         itself was bad) after aborting the update on every worker; ValueError for bad
         arguments before anything is sent.
         """
-        if type(version) is not int or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        check_version(version)
         if not links:
             raise ValueError("no workers to update")
         if len({l.worker_id for l in links}) != len(links):

@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import json
 import os
+import re
 import signal
 import time
 
@@ -28,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from rollfleet.actors import FleetConfig, Supervisor  # noqa: E402
 from rollfleet.engines.tiny import build_tiny_llama  # noqa: E402
-from rollfleet.errors import Unsupported, WeightUpdateError  # noqa: E402
+from rollfleet.errors import InvalidRequest, Unsupported, WeightUpdateError  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -206,6 +207,30 @@ async def test_vllm_fleet_greedy_equals_torch_fleet_and_transformers(vllm_fleet,
         assert v.finish_reason == "length" and v.weight_versions == [0]
 
 
+async def refuses_bad_prompts_and_serves_on(sup: Supervisor, hf, max_len: int, tag: str) -> None:
+    """A prompt the model cannot take is the client's error (InvalidRequest, code bad_field,
+    the reason in the message), not the engine's, and the next request is served."""
+    vocab = hf.config.vocab_size
+    client = sup.client()
+    for i, (prompt, why) in enumerate((([], "empty"), ([1, vocab], f"[0, {vocab})"), ([1, -5], f"[0, {vocab})"),
+                                       ([1] * max_len, "takes fewer than"))):
+        with pytest.raises(InvalidRequest, match=re.escape(why)) as info:
+            await client.generate(f"{tag}-bad{i}", prompt, greedy(4))
+        assert info.value.code == "bad_field"
+    r = await client.generate(f"{tag}-good", PROMPTS[0], greedy())
+    assert r.token_ids == hf_greedy(hf, PROMPTS[0])
+    assert all(w["restarts"] == 0 for w in (await sup.stats())["workers"])
+
+
+async def test_torch_fleet_refuses_prompts_the_model_cannot_take(torch_fleet, hf):
+    await refuses_bad_prompts_and_serves_on(torch_fleet, hf, hf.config.max_position_embeddings, "t")
+
+
+@pytest.mark.vllm
+async def test_vllm_fleet_refuses_prompts_the_model_cannot_take(vllm_fleet, hf):
+    await refuses_bad_prompts_and_serves_on(vllm_fleet, hf, 512, "v")  # the fleet's max_model_len
+
+
 async def update_and_check(sup: Supervisor, new_state: dict, want: list[list[int]], tag: str) -> list:
     report = await sup.client().update_weights(list(new_state.items()), version=V1)
     assert report.ok and report.version == V1 and set(report.workers) == set(sup.workers)
@@ -365,6 +390,23 @@ async def test_torch_failed_update_names_worker_and_cause_and_generation_resumes
     assert stats["weight_version"] == good
     assert [(w["worker_id"], w["weight_version"], w["state"]) for w in stats["workers"]] == [
         ("w0-0", good, "ready"), ("w1-0", good, "ready")]
+
+
+async def test_torch_failed_first_update_leaves_no_mix_the_worker_reloads_its_weights(model_dir, hf, new_state,
+                                                                                      no_leaks_module):
+    # A fleet of its own: its first update, with nothing kept to restore. The perturbed
+    # tensors go first, a bucket each, then a name the model lacks fails the update.
+    ref = hf_greedy(hf, PROMPTS[3])
+    cfg = FleetConfig(engine="torch", num_workers=1, engine_options={"model": model_dir})
+    async with Supervisor(cfg) as sup:
+        client = sup.client()
+        bad = list(new_state.items()) + [("model.no_such_weight", torch.zeros(2))]
+        with pytest.raises(WeightUpdateError, match="no_such_weight"):
+            await client.update_weights(bad, version=1, bucket_bytes=64 << 10)
+        r = await asyncio.wait_for(client.generate("after", PROMPTS[3], greedy()), 120)
+        assert r.token_ids == ref and r.weight_versions == [0]
+        [worker] = (await client.stats())["workers"]
+        assert (worker["weight_version"], worker["restarts"], worker["state"]) == (0, 1, "ready")
 
 
 async def test_torch_worker_sigkill_resumes_its_requests_and_restart_catches_up(torch_fleet, hf_new, long_ref):

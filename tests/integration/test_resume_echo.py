@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
@@ -120,20 +121,83 @@ async def test_restarted_worker_is_brought_to_the_current_version_before_serving
         assert [w["weight_version"] for w in workers] == [3, 3]
 
 
-async def test_failed_update_names_the_worker_and_generation_goes_on():
+async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_weights():
     async with fleet(2) as sup:
         client = sup.client()
         task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=40)))
         await asyncio.sleep(0.05)
+        before = {h.index: h.worker_id for h in sup.ready_workers()}
+        # Bucket 0 (the new offset) is applied before bucket 1 fails, and the fleet has no
+        # copy of its first weights: the workers are restarted with their initial ones.
         with pytest.raises(WeightUpdateError) as info:
-            await client.update_weights(offset(0) + [("fail", torch.zeros(1))], version=1)
+            await client.update_weights(offset(5) + [("fail", torch.zeros(32))], version=1, bucket_bytes=64)
         assert "w" in str(info.value) and "fail" in str(info.value)
-        r = await task
-        assert r.token_ids == expected_tokens([6], 40)
+        r = await task  # resumed on a restarted worker: offset 0 all along, not 5
+        assert r.token_ids == expected_tokens([6], 40) and r.finish_reason == "length"
+        assert set(r.weight_versions) == {0}
         assert sup.weight_version == 0
-        # Part of the update reached the engines and there is no earlier update to restore:
-        # the workers say so (-1) instead of claiming a version they do not hold.
-        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [-1, -1]
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 15.0)
+        assert not set(before.values()) & set(sup.workers)
+        workers = (await sup.stats())["workers"]
+        assert [(w["weight_version"], w["restarts"]) for w in workers] == [(0, 1), (0, 1)]
+        assert all("partly applied" in w["last_error"] for w in workers)
+        for i in range(4):
+            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=5))
+            assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [0]
+
+
+async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weights_and_says_so():
+    async with fleet(1, tokens_per_s=0, keep_last_weights=False) as sup:
+        client = sup.client()
+        await client.update_weights(offset(3), version=5)
+        r = await client.generate("v5", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=3) and r.weight_versions == [5]
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(offset(9) + [("fail", torch.zeros(32))], version=6, bucket_bytes=64)
+        # Version 5's tensors are gone: the worker is restarted and serves its initial
+        # weights as version 0, never offset 9 under some version.
+        r = await client.generate("after", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [0]
+        assert sup.weight_version == 5
+        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [0]
+        # The next good update brings it to the fleet's version again.
+        await client.update_weights(offset(3), version=7)
+        r = await client.generate("v7", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=3) and r.weight_versions == [7]
+
+
+async def test_bad_update_arguments_fail_before_any_request_is_interrupted():
+    async with fleet(1) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=40)))
+        await asyncio.sleep(0.05)
+        for version in (-1, 1 << 63, 1.0, True, "1"):
+            with pytest.raises(ValueError, match="version"):
+                await client.update_weights(offset(0), version=version)
+        with pytest.raises(ValueError):
+            await client.update_weights(offset(0), version=1, bucket_bytes=1)
+        with pytest.raises(ValueError):
+            await client.update_weights(offset(0), version=1, transport="pigeon")
+        r = await task
+        assert r.num_preemptions == 0 and r.weight_versions == [0]
+        assert (await client.update_weights(offset(0), version=(1 << 63) - 1)).ok
+        r = await client.generate("big", [6], SamplingParams(max_tokens=2))
+        assert r.weight_versions == [(1 << 63) - 1]
+
+
+async def test_update_takes_a_state_dict_and_says_what_is_wrong_with_bad_pairs():
+    async with fleet(1, tokens_per_s=0) as sup:
+        client = sup.client()
+        await client.update_weights({"offset": torch.tensor([3])}, version=1)
+        await client.update_weights(lambda: {"offset": torch.tensor([3])}, version=2)
+        r = await client.generate("r", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=3) and r.weight_versions == [2]
+        for bad, what in (([("offset", [3])], "(str, torch.Tensor) pairs, got (str, list)"),
+                          ([("offset",)], "(name, tensor) pairs, got tuple"),
+                          ([torch.tensor([3])], "(name, tensor) pairs, got Tensor")):
+            with pytest.raises(WeightUpdateError, match=re.escape(what)):
+                await client.update_weights(bad, version=3)
+        assert sup.weight_version == 2
 
 
 async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_version():
