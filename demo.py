@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import sys
 import time
 from typing import Any
@@ -64,6 +65,16 @@ def _print_table(rows: list[tuple[str, str]], out: Any = sys.stdout) -> None:
 async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests: int = 64, max_tokens: int = 96,
                    model: str | None = None, update_weights: bool = True, seed: int = 0) -> dict[str, Any]:
     """Run the demo and return its summary as a dict (also printed)."""
+    scratch: list[str] = []  # a model directory the demo wrote, removed whatever happens
+    try:
+        return await _run_demo(engine, num_workers, num_requests, max_tokens, model, update_weights, seed, scratch)
+    finally:
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens: int, model: str | None,
+                    update_weights: bool, seed: int, scratch: list[str]) -> dict[str, Any]:
     from tqdm import tqdm
 
     options: dict[str, Any] = {}
@@ -73,7 +84,8 @@ async def run_demo(*, engine: str = "torch", num_workers: int = 2, num_requests:
 
             from .engines.tiny import build_tiny_llama
 
-            model = build_tiny_llama(tempfile.mkdtemp(prefix="rollfleet-demo-model-"), seed=seed)
+            scratch.append(tempfile.mkdtemp(prefix="rollfleet-demo-model-"))
+            model = build_tiny_llama(scratch[-1], seed=seed)
         if model is not None:
             options["model"] = model
         options.setdefault("seed", seed)

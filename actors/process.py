@@ -246,6 +246,12 @@ class WorkerProcess:
 
     def terminate(self) -> None:
         if self.alive():
+            # First say on the death pipe that this SIGTERM is ours: a worker sent SIGTERM by
+            # anyone else waits a moment to see whether its supervisor is going too.
+            try:
+                os.write(self._death_w, b"t")
+            except OSError:
+                pass
             kill_tree(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:

@@ -484,50 +484,109 @@ def _log_failure(task: asyncio.Task[Any]) -> None:
 # ------------------------------------------------------------------------ parent death
 
 
+SIGTERM_GRACE_S = 0.5
+"""How long a worker sent SIGTERM by someone other than its supervisor waits to see whether
+the supervisor is going too (a signal to the whole process group, a service manager)."""
+
+_EXIT_ASKED = threading.Event()  # the supervisor wrote on the death pipe: its SIGTERM follows
+_PARENT_GONE = threading.Event()
+_DEATH_LOCK = threading.Lock()
+
+# Callables run when the parent dies (e.g. unlink shared memory this worker opened).
+_PARENT_DEATH_CLEANUPS: list[Any] = []
+
+
 def _watch_parent(config: dict[str, Any]) -> None:
     """Exit this process (and its children) as soon as the supervisor's process is gone.
 
     Two signals, either suffices: EOF on the death pipe (the parent's end closes when it
     dies, however it dies), and a change of parent pid (in case a forked copy of the
-    parent still holds the pipe open).
+    parent still holds the pipe open). The kernel also sends SIGCONT when the parent dies
+    (PR_SET_PDEATHSIG), so a stopped worker wakes up to notice. A byte on the pipe is the
+    supervisor saying that the SIGTERM it is about to send is its own.
     """
     fd = config.get("death_fd")
     parent = int(config.get("parent_pid", os.getppid()))
-
-    def on_parent_death(why: str) -> None:
-        print(f"rollfleet worker {config.get('worker_id')}: supervisor gone ({why}); exiting", file=sys.stderr)
-        kill_tree(os.getpid(), signal.SIGKILL, include_parent=False)
-        for cleanup in _PARENT_DEATH_CLEANUPS:
-            try:
-                cleanup()
-            except Exception:
-                pass
-        private_dir = config.get("private_dir")
-        if private_dir:
-            shutil.rmtree(private_dir, ignore_errors=True)
-        os._exit(1)
+    _continue_on_parent_death()
 
     def read_pipe() -> None:
         try:
-            while os.read(fd, 1):
-                pass
+            while os.read(fd, 64):
+                _EXIT_ASKED.set()
         except OSError:
             pass
-        on_parent_death("death pipe closed")
+        _on_parent_death(config, "death pipe closed")
 
     def poll_ppid() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
-                on_parent_death("parent pid changed")
+                _on_parent_death(config, "parent pid changed")
 
     if fd is not None:
         threading.Thread(target=read_pipe, name="death-pipe", daemon=True).start()
     threading.Thread(target=poll_ppid, name="ppid-poll", daemon=True).start()
+    if os.getppid() != parent:  # gone before the kernel was asked to tell
+        _on_parent_death(config, "parent pid changed")
 
 
-# Callables run when the parent dies (e.g. unlink shared memory this worker opened).
-_PARENT_DEATH_CLEANUPS: list[Any] = []
+def _continue_on_parent_death() -> None:
+    """Have the kernel send SIGCONT when the parent dies (harmless to a running process)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGCONT), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the watch threads notice once it runs again
+        pass
+
+
+def _on_parent_death(config: dict[str, Any], why: str) -> None:
+    """Clean up after the dead supervisor and exit: this worker's children, the shm names the
+    supervisor was still offering (``rf-<its pid>-*``), its private directory. Runs once;
+    a second caller waits here until the process exits."""
+    _PARENT_GONE.set()
+    _DEATH_LOCK.acquire()
+    print(f"rollfleet worker {config.get('worker_id')}: supervisor gone ({why}); exiting", file=sys.stderr)
+    kill_tree(os.getpid(), signal.SIGKILL, include_parent=False)
+    for cleanup in _PARENT_DEATH_CLEANUPS:
+        try:
+            cleanup()
+        except Exception:
+            pass
+    _unlink_segments_of(int(config.get("parent_pid", 0)))
+    private_dir = config.get("private_dir")
+    if private_dir:
+        shutil.rmtree(private_dir, ignore_errors=True)
+    os._exit(1)
+
+
+def _unlink_segments_of(pid: int) -> None:
+    """Unlink the weight-update segments a dead process created (``weights.shm`` names them
+    ``rf-<pid>-...``): it can no longer, and they hold memory until unlinked."""
+    prefix = f"rf-{pid}-"
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
+def _on_sigterm(config: dict[str, Any]) -> None:
+    """From the supervisor (it says so on the death pipe first): exit at once, the finally
+    blocks releasing what the worker holds. From anyone else: if the supervisor is going too
+    (the whole process group was signalled), clean up after it as when it dies."""
+    parent = int(config.get("parent_pid", os.getppid()))
+    deadline = time.monotonic() + SIGTERM_GRACE_S
+    while not _EXIT_ASKED.is_set() and time.monotonic() < deadline:
+        if _PARENT_GONE.is_set() or os.getppid() != parent:
+            _on_parent_death(config, "SIGTERM, and the supervisor is gone")
+        time.sleep(0.01)
+    sys.exit(0)
 
 
 def main() -> None:
@@ -537,8 +596,7 @@ def main() -> None:
         format=f"%(asctime)s %(levelname)s worker {config['worker_id']} %(name)s: %(message)s",
     )
     _watch_parent(config)
-    # SIGTERM from the supervisor: exit promptly; the finally blocks release resources.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(config))
     worker = EngineWorker(config)
     try:
         import uvloop

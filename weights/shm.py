@@ -6,7 +6,8 @@ avoided on purpose: its resource tracker unlinks or warns about segments in proc
 merely attached them.
 
 Who unlinks: the sender unlinks its segments as soon as every receiver has mapped them
-(after WeightsBegin), so a crash of either side later leaves nothing behind. Only when a
+(after WeightsBegin), so a crash of either side later leaves nothing behind; a supervisor
+that dies before that has its workers unlink its names as they exit. Only when a
 receiver asks to keep the names (an engine that opens them by name in another process)
 do they live for the whole update; then the sender unlinks in ``finally``, the receiver
 unlinks when it sees the sender die, and ``sweep_stale`` removes leftovers of dead

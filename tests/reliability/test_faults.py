@@ -268,9 +268,12 @@ SUPERVISOR_SCRIPT = textwrap.dedent("""
                                      weights={"transport": "shm", "bucket_bytes": 1 << 20}))
         await sup.start()
         client = sup.client()
-        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=100000)))
-                 for i in range(8)]
         print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+        if "--hold" in sys.argv:  # no requests; the first update waits for a line
+            await asyncio.to_thread(sys.stdin.readline)
+        else:
+            tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=100000)))
+                     for i in range(8)]
         version = 0
         while True:
             version += 1
@@ -299,3 +302,39 @@ def test_supervisor_sigkill_mid_stream_and_mid_update_leaves_nothing_behind():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-to-group"])
+def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothing_behind(how):
+    # The first update offers its shm segments by name until every worker has mapped them;
+    # a stopped worker holds it there. The supervisor then dies: by SIGKILL, or with its
+    # whole process group by SIGTERM (what `timeout` and service managers send), which
+    # reaches the workers too. The stopped worker is woken (the kernel's parent-death
+    # signal), and the workers unlink the dead supervisor's segments and remove its
+    # private directory (socket file, logs).
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, "--hold"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline().split()
+        private_dir, pids = line[0], [int(p) for p in line[1:]]
+        os.kill(pids[0], signal.SIGSTOP)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 20.0
+        while not segments_of([proc.pid]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert segments_of([proc.pid]), "the first update offered no segment"
+        if how == "sigkill":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir) or segments_of([proc.pid])):
+            time.sleep(0.05)
+        assert_clean(private_dir, pids, creators=[proc.pid])
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in alive(pids if "pids" in locals() else []):
+            os.kill(pid, signal.SIGKILL)
