@@ -21,6 +21,7 @@ from ..transport import codec
 from ..transport.aio import LoopSocket
 from ..transport.messages import (
     Abort,
+    AbortAll,
     Batch,
     Chunk,
     Control,
@@ -71,6 +72,11 @@ def _prompt(prompt_ids: Any) -> list[int]:
 def _check_id(request_id: Any) -> None:
     if type(request_id) is not str or not request_id:
         raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}", code="bad_field")
+
+
+def _check_session(session_id: Any) -> None:
+    if session_id is not None and type(session_id) is not str:
+        raise InvalidRequest(f"session_id must be a str or None, got {session_id!r}", code="bad_field")
 
 
 class _Base:
@@ -230,6 +236,13 @@ class LLMClient(_Base):
         """Abort one request; its generate() returns a result with finish_reason 'abort'.
         Returns False when no such request is in flight."""
         return self.supervisor.abort("local", request_id)
+
+    async def abort_all(self, session_id: str | None = None) -> list[str]:
+        """Abort every request in flight from this process's clients (LLMClient, SyncClient),
+        or only those of ``session_id`` (e.g. the rest of a step once it has enough samples);
+        each ends as with ``abort``, with its partial output. Returns their ids."""
+        _check_session(session_id)
+        return self.supervisor.abort_all("local", session_id)
 
     async def stats(self) -> dict[str, Any]:
         return await self.supervisor.stats()
@@ -425,6 +438,13 @@ class RemoteClient(_Base):
             if exc.code == "unknown_request":
                 return False
             raise
+
+    async def abort_all(self, session_id: str | None = None) -> list[str]:
+        """Abort every request this client has in flight, or only those of ``session_id``;
+        each ends as with ``abort``. Returns their ids (PROTOCOL.md 4.1 ``abort_all``)."""
+        _check_session(session_id)
+        data = await self._call(AbortAll(id=f"a{next(self._ids)}", session_id=session_id))
+        return list(data.get("request_ids", []))
 
     async def stats(self) -> dict[str, Any]:
         return await self._call(Stats(id=f"s{next(self._ids)}"))

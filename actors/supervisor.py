@@ -43,6 +43,7 @@ from ..transport.messages import (
     CLIENT_TYPES,
     CONTROL_OPS,
     Abort,
+    AbortAll,
     Batch,
     Chunk,
     Control,
@@ -843,6 +844,13 @@ class Supervisor:
         self._abort_on_worker(entry)
         return True
 
+    def abort_all(self, origin: str, session_id: str | None = None) -> list[str]:
+        """Abort every request of ``origin`` in flight, or only those of ``session_id``; each
+        ends as ``abort`` does. Returns their ids."""
+        ids = [e.request_id for e in self.table
+               if e.origin == origin and (session_id is None or e.session_id == session_id)]
+        return [rid for rid in ids if self.abort(origin, rid)]
+
     def cancel(self, origin: str, request_id: str) -> None:
         """Forget a request whose caller went away, and stop it on its worker. Nothing is sent back."""
         entry = self.table.get(origin, request_id)
@@ -1036,6 +1044,8 @@ class Supervisor:
             else:
                 self._reply_client(identity, Error(id=msg.id, code="unknown_request", request_id=msg.request_id,
                                                    message=f"no request {msg.request_id!r} in flight"))
+        elif isinstance(msg, AbortAll):
+            self._reply_client(identity, Reply(id=msg.id, data={"request_ids": self.abort_all(origin, msg.session_id)}))
         elif isinstance(msg, (Stats, Control)):
             asyncio.create_task(self._answer_call(identity, msg))
         elif isinstance(msg, Hello):

@@ -114,6 +114,11 @@ class SyncClient:
     def abort(self, request_id: str) -> bool:
         return self._call(self.client.abort(request_id))
 
+    def abort_all(self, session_id: str | None = None) -> list[str]:
+        """Abort every request in flight from this process (of ``session_id`` only, if given);
+        LLMClient.abort_all. Returns their ids."""
+        return self._call(self.client.abort_all(session_id))
+
     # ---------------------------------------------------------------- fleet
     def update_weights(self, named_tensors: Any, version: int, **kwargs: Any) -> Any:
         """Push weights to every worker (Supervisor.update_weights). Blocks until committed."""

@@ -26,6 +26,7 @@ __all__ = [
     "Message",
     "Generate",
     "Abort",
+    "AbortAll",
     "Stats",
     "Control",
     "Chunk",
@@ -56,6 +57,8 @@ class MsgType(str, enum.Enum):
     # client -> supervisor, and supervisor -> worker
     GENERATE = "generate"
     ABORT = "abort"
+    # client -> supervisor only: abort every request of this client (of one session)
+    ABORT_ALL = "abort_all"
     STATS = "stats"
     CONTROL = "control"
     # answers (supervisor -> client, worker -> supervisor)
@@ -97,7 +100,7 @@ CONTROL_OPS = (
 )
 
 # What a client may send the supervisor's frontend; any other type is answered unknown_type.
-CLIENT_TYPES = frozenset({"generate", "abort", "stats", "control", "hello", "batch"})
+CLIENT_TYPES = frozenset({"generate", "abort", "abort_all", "stats", "control", "hello", "batch"})
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -317,6 +320,15 @@ class Abort(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AbortAll(Message):
+    """Abort every request this client has in flight, or only those of ``session_id``;
+    answered by ``reply`` with ``data: {"request_ids": [the ids aborted]}``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT_ALL
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stats(Message):
     """Ask for fleet (or, to a worker, engine) statistics; answered by ``reply``."""
 
@@ -488,6 +500,7 @@ MESSAGE_CLASSES: dict[str, type[Message]] = {
     for cls in (
         Generate,
         Abort,
+        AbortAll,
         Stats,
         Control,
         Chunk,

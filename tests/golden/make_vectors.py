@@ -25,6 +25,7 @@ import msgpack
 from rollfleet.transport import codec
 from rollfleet.transport.messages import (
     Abort,
+    AbortAll,
     Batch,
     Chunk,
     Control,
@@ -61,6 +62,7 @@ VECTORS: list[Message] = [
         resume=False,
     ),
     Abort(id="abort-1", request_id="req-1"),
+    AbortAll(id="abort-all-1", session_id="session-7"),
     Stats(id="stats-1"),
     Control(id="control-1", op="start_profile", args={"trace_dir": "/tmp/rollfleet-trace"}),
     Chunk(id="req-1", token_ids=[17, 20308], logprobs=[-0.25, -1.5], weight_version=3),

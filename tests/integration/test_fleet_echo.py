@@ -101,6 +101,44 @@ async def test_abort_one_of_many_leaves_others_untouched():
         assert len(sup.table) == 0
 
 
+async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_other_clients_untouched():
+    # 2 workers that run 2 requests at once each: of 8 requests some run, some wait in the
+    # fleet; both kinds are aborted. A RemoteClient's requests are another client's.
+    async with fleet(2, engine_options={"tokens_per_s": 100, "max_running": 2}) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=60)
+        tasks = {i: asyncio.create_task(client.generate(f"r{i}", [i + 1], params, session_id=f"s{i % 2}"))
+                 for i in range(8)}
+        async with RemoteClient(sup.frontend_address) as remote:
+            theirs = asyncio.create_task(remote.generate("r1", [50], SamplingParams(max_tokens=30), session_id="s1"))
+            await asyncio.sleep(0.1)
+            with pytest.raises(InvalidRequest):
+                await client.abort_all(session_id=1)
+            assert await client.abort_all(session_id="nobody") == []
+            assert sorted(await client.abort_all(session_id="s1")) == ["r1", "r3", "r5", "r7"]
+            for i in (1, 3, 5, 7):
+                r = await tasks.pop(i)
+                assert r.finish_reason == "abort" and len(r.token_ids) < 60
+                assert r.token_ids == expected_tokens([i + 1], len(r.token_ids))
+            assert sorted(await client.abort_all()) == ["r0", "r2", "r4", "r6"]
+            for i, task in tasks.items():
+                r = await task
+                assert r.finish_reason == "abort" and r.token_ids == expected_tokens([i + 1], len(r.token_ids))
+            assert await client.abort_all() == []
+            r = await theirs  # the other client's "r1" of session "s1" ran to its end
+            assert r.finish_reason == "length" and r.token_ids == expected_tokens([50], 30)
+            # The same over the frontend: only that client's own requests.
+            mine = asyncio.create_task(client.generate("k", [9], SamplingParams(max_tokens=60)))
+            remote_tasks = [asyncio.create_task(remote.generate(f"q{i}", [i + 1], params)) for i in range(3)]
+            await asyncio.sleep(0.1)
+            assert sorted(await remote.abort_all()) == ["q0", "q1", "q2"]
+            for i, task in enumerate(remote_tasks):
+                r = await task
+                assert r.finish_reason == "abort" and r.token_ids == expected_tokens([i + 1], len(r.token_ids))
+            assert (await mine).finish_reason == "length"
+        assert len(sup.table) == 0
+
+
 async def test_duplicate_request_id_is_refused():
     async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
         client = sup.client()

@@ -1,6 +1,8 @@
+import concurrent.futures
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -37,6 +39,24 @@ def test_generate_batch_update_and_controls_from_plain_code():
     assert not any(psutil.pid_exists(p) for p in pids)
     with pytest.raises(FleetClosed):
         fleet.generate("y", [1])
+
+
+def test_abort_all_from_another_thread_ends_a_blocked_batch_with_partial_output():
+    # The usual over-sampling pattern: a batch runs in one thread, another stops what is
+    # left once enough samples are in.
+    with SyncClient(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 100})) as fleet:
+        prompts = [[i + 1] for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            batch = pool.submit(fleet.generate_batch, prompts, SamplingParams(max_tokens=1000))
+            deadline = time.monotonic() + 10
+            while fleet.stats()["num_inflight"] < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert len(fleet.abort_all()) == 6
+            results = batch.result(timeout=10)
+        for prompt, r in zip(prompts, results):
+            assert r.finish_reason == "abort" and 0 < len(r.token_ids) < 1000
+            assert r.token_ids == expected_tokens(prompt, len(r.token_ids))
 
 
 def test_fleet_is_shut_down_at_interpreter_exit():

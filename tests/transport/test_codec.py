@@ -6,6 +6,7 @@ from rollfleet.transport.messages import (
     MESSAGE_CLASSES,
     PROTOCOL_VERSION,
     Abort,
+    AbortAll,
     Batch,
     Chunk,
     Control,
@@ -47,6 +48,8 @@ SAMPLES = [
     WeightsEnd(id="we", version=3, commit=False),
     Batch(id="", messages=[{"v": 1, "type": "stats", "id": "s2"}, {"v": 1, "type": "abort", "id": "a2", "request_id": "r"}]),
     Hello(id="h", batch=True),
+    AbortAll(id="a2"),
+    AbortAll(id="a3", session_id="s1"),
 ]
 
 
