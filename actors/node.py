@@ -75,6 +75,7 @@ class RouterPublication:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rollfleet-node-keys", daemon=True)
         self._thread.start()
+        supervisor.closing_hooks.append(self.close)
 
     def _watch(self) -> None:
         index = 0
@@ -107,9 +108,11 @@ class RouterPublication:
             pass
 
     def close(self) -> None:
-        """Stop admitting nodes and tell their agents the job is over."""
+        """Stop admitting nodes and tell their agents the job is over (the supervisor calls
+        this as its shutdown begins)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         self._mark_closed()
 
 
@@ -245,6 +248,7 @@ class NodeAgent:
                 "engine_options": options,
                 "device": device,
                 "host": self.name,
+                "node": self.node_id,  # a node agent's worker: tells the supervisor when it ends
                 "heartbeat_interval_s": router["heartbeat_interval_s"],
                 "report_interval_s": router.get("report_interval_s", 0.05),
                 "max_message_bytes": router["max_message_bytes"],

@@ -106,6 +106,9 @@ class Supervisor:
         self.slots: dict[int, WorkerHandle] = {}  # index -> current incarnation
         self.weight_version = 0
         self.private_dir: str | None = None
+        self.closing_hooks: list[Callable[[], None]] = []
+        """Called first thing at shutdown (node publications tell their agents here, before
+        any worker is stopped, so that no agent restarts one)."""
         self.worker_address = ""
         self.frontend_address: str | None = None
         self.counters = {"completed": 0, "aborted": 0, "failed": 0, "resumed": 0, "cancelled": 0}
@@ -258,6 +261,11 @@ class Supervisor:
         if self._closed or self._closing:
             return
         self._closing = True
+        for hook in list(self.closing_hooks):
+            try:
+                hook()
+            except Exception:
+                logger.exception("a shutdown hook failed")
         try:
             for entry in list(self.table):
                 self._fail(entry, FleetClosed("the fleet is shutting down"))

@@ -87,11 +87,15 @@ class EngineWorker:
         self._receiver: Any = None
         self._inline = False  # see _start
         self._sock: Any = None
+        self._ctx: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._said_farewell = False
         self._max_bytes = int(config.get("max_message_bytes", 1 << 30))
 
     # -------------------------------------------------------------------- lifecycle
     async def run(self) -> int:
-        ctx = zmq.Context()
+        self._ctx = ctx = zmq.Context()
+        self._loop = asyncio.get_running_loop()
         opts = SocketOptions(max_message_bytes=self._max_bytes)
         curve = self.config.get("curve_client_keys")
         sock = make_socket(
@@ -104,6 +108,11 @@ class EngineWorker:
             curve_client_keys=tuple(k.encode() for k in curve) if curve else None,
         )
         self._sock = LoopSocket(sock, self._on_frames, copy=False)
+        if self.config.get("node"):
+            # Spawned by a node agent: the supervisor cannot see this process end, so it is
+            # told when the process ends on its own (agent gone, SIGTERM), not only after
+            # heartbeats stop.
+            _WORKER_GOING.append(self.farewell)
         try:
             try:
                 self.engine = create_engine(self.config["engine"], self.config.get("engine_options"))
@@ -133,8 +142,37 @@ class EngineWorker:
             return self._exit_code
         finally:
             await self._close()
-            self._sock.close(linger=200)
-            ctx.term()
+            if not self._said_farewell:
+                self._sock.close(linger=200)
+                ctx.term()
+
+    def farewell(self, reason: str, wait_s: float = 1.0) -> None:
+        """This process is ending on its own: send the supervisor a WorkerExit, close the
+        socket, and wait up to ``wait_s`` for the message to leave. From any thread."""
+        loop = self._loop
+        if loop is None or self._sock is None or self._said_farewell:
+            return
+        self._said_farewell = True
+        sent = threading.Event()
+
+        def send() -> None:
+            try:
+                self._sock.send([codec.encode(WorkerExit(id="exit", reason=reason))])
+                self._sock.close(linger=int(wait_s * 1000))
+                self._ctx.term()  # returns once the message is out, or lingering ended
+            except Exception:
+                pass
+            finally:
+                sent.set()
+
+        if threading.get_ident() == threading.main_thread().ident:  # the loop's own thread
+            send()
+            return
+        try:
+            loop.call_soon_threadsafe(send)
+        except RuntimeError:  # the loop is closed
+            return
+        sent.wait(wait_s + 0.5)
 
     async def _close(self) -> None:
         for task in list(self._tasks.values()):
@@ -494,6 +532,16 @@ _DEATH_LOCK = threading.Lock()
 
 # Callables run when the parent dies (e.g. unlink shared memory this worker opened).
 _PARENT_DEATH_CLEANUPS: list[Any] = []
+# Callables run, with the reason, when the worker ends on its own (its parent gone, a SIGTERM).
+_WORKER_GOING: list[Any] = []
+
+
+def _going(reason: str) -> None:
+    for say in _WORKER_GOING:
+        try:
+            say(reason)
+        except Exception:
+            pass
 
 
 def _watch_parent(config: dict[str, Any]) -> None:
@@ -548,6 +596,7 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     _PARENT_GONE.set()
     _DEATH_LOCK.acquire()
     print(f"rollfleet worker {config.get('worker_id')}: supervisor gone ({why}); exiting", file=sys.stderr)
+    _going(f"its {'node agent' if config.get('node') else 'supervisor'} is gone ({why})")
     kill_tree(os.getpid(), signal.SIGKILL, include_parent=False)
     for cleanup in _PARENT_DEATH_CLEANUPS:
         try:
@@ -586,6 +635,7 @@ def _on_sigterm(config: dict[str, Any]) -> None:
         if _PARENT_GONE.is_set() or os.getppid() != parent:
             _on_parent_death(config, "SIGTERM, and the supervisor is gone")
         time.sleep(0.01)
+    _going("stopped by SIGTERM")
     sys.exit(0)
 
 

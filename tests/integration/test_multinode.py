@@ -117,19 +117,23 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
         node = f"{ns.name}-host"  # the node's name: differs from this host's, as a real second host's would
         config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://{ns.host_ip}:0", curve_keys_dir=keys,
                              accept_remote_workers=True, deterministic_routing=True,
-                             heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                             heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0,
                              weights={"master_addr": ns.host_ip, "bucket_bytes": 1 << 16, "timeout_s": 30.0})
         agent = None
         try:
             async with Supervisor(config) as sup:
                 publication = publish_router(store, sup)
-                with open(agent_log, "wb") as log:
-                    agent = subprocess.Popen(
-                        ["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
-                         "--store", f"{ns.host_ip}:{store.port}", "--workers", "1", "--name", node,
-                         "--timeout", "30",
-                         "--engine-options", '{"tokens_per_s": 100}'],  # slow remotely: a request to kill
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+                def start_agent() -> subprocess.Popen:
+                    with open(agent_log, "ab") as log:
+                        return subprocess.Popen(
+                            ["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
+                             "--store", f"{ns.host_ip}:{store.port}", "--workers", "1", "--name", node,
+                             "--timeout", "30",
+                             "--engine-options", '{"tokens_per_s": 100}'],  # slow remotely: a request to kill
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+                agent = start_agent()
 
                 def remote_ready():
                     return [h for h in sup.ready_workers() if "/" in h.worker_id]
@@ -198,6 +202,26 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
                 assert r.worker == again.worker_id and r.token_ids == expected_tokens(prompt, 5, offset=3)
                 rows = {w["worker_id"]: w for w in (await sup.stats())["workers"]}
                 assert rows[again.worker_id]["restarts"] == 1
+
+                # The agent is killed: its worker exits and tells the supervisor, which takes
+                # it out at once, not after heartbeat_timeout_s (20 s), and resumes its request.
+                sup.router.set_available(local, False)
+                slow = asyncio.create_task(client.generate("slow2", prompt, SamplingParams(max_tokens=200)))
+                await _until(lambda: sup.table.on_worker(again.worker_id), 10, "the request to reach the remote")
+                sup.router.set_available(local, True)
+                await asyncio.sleep(0.3)
+                os.kill(agent.pid, signal.SIGKILL)
+                agent.wait(timeout=10)
+                await _until(lambda: again.worker_id not in sup.workers, 5,
+                             "the supervisor to drop the dead agent's worker", agent_log)
+                result = await asyncio.wait_for(slow, 30)
+                assert result.token_ids == expected_tokens(prompt, 200, offset=3)
+                assert result.num_preemptions == 1 and result.worker == local
+                await _until(lambda: again.pid not in ns.pids(), 5, "the dead agent's worker to exit")
+
+                # A new agent joins; when the supervisor shuts down it stops by itself.
+                agent = start_agent()
+                await _until(lambda: remote_ready(), 60, "the new agent's worker", agent_log)
             # The supervisor shut down: its remote worker was told to stop and the store says
             # the fleet closed, so the agent exits by itself.
             assert agent.wait(timeout=20) == 0, open(agent_log).read()[-3000:]
