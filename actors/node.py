@@ -13,7 +13,10 @@ Keys under ``<prefix>/`` in the store:
 - ``nodes``: a counter; agent n writes ``node/<n>/name`` and ``node/<n>/public`` (its
   CurveZMQ public key, Z85) and waits for ``node/<n>/admitted``, which the publisher
   writes once the supervisor accepts that key;
-- ``closed``: set when the supervisor has shut down; agents then stop.
+- ``closed``: set when the supervisor has shut down; agents then stop;
+- ``beat``: a counter the publisher adds to every second while the supervisor's process
+  lives; an agent that sees it stand still for ``supervisor_timeout_s`` stops (a supervisor
+  killed where the store outlives it, e.g. a store served by torchrun's agent).
 
 Anyone who can write to the store can admit a key, so the store must be reachable only by
 the job's own nodes, as torchrun's store already must be.
@@ -51,6 +54,7 @@ __all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "DEFAULT_
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "rollfleet"
+BEAT_INTERVAL_S = 1.0
 
 
 def _reachable_address(address: str, host: str | None) -> str:
@@ -79,11 +83,15 @@ class RouterPublication:
 
     def _watch(self) -> None:
         index = 0
+        last_beat = 0.0
         while not self._stop.is_set():
             if self.supervisor.closed:
                 self._mark_closed()
                 return
             try:
+                if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
+                    last_beat = time.monotonic()
+                    self.store.add(f"{self.prefix}/beat", 1)
                 # The store is used from this thread only, after publish_router returned.
                 key = f"{self.prefix}/node/{index}/public"
                 if self.store.check([key]):
@@ -150,13 +158,15 @@ class NodeAgent:
     them weights over the collective transport when it differs from its own host name
     (default: this host's name). Worker ids are ``<name>.<agent pid>/w<i>-<generation>``.
     ``engine``/``engine_options`` default to the fleet's. Workers die with the agent (their
-    death pipe), and the agent stops when the store says the fleet closed or is gone.
+    death pipe), and the agent stops when the store says the fleet closed or is gone, or
+    when the supervisor's beat in the store stands still for ``supervisor_timeout_s``.
     """
 
     def __init__(self, store: Any, *, engine: str | None = None, engine_options: dict[str, Any] | None = None,
                  num_workers: int = 1, devices: list[str] | None = None, prefix: str = DEFAULT_PREFIX,
                  name: str | None = None, restart: RestartPolicy | None = None,
-                 worker_env: dict[str, str] | None = None, private_dir_root: str | None = None):
+                 worker_env: dict[str, str] | None = None, private_dir_root: str | None = None,
+                 supervisor_timeout_s: float = 30.0):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if devices is not None and len(devices) != num_workers:
@@ -175,6 +185,7 @@ class NodeAgent:
         self.restart = RestartPolicy() if restart is None else restart
         self.worker_env = dict(worker_env or {})
         self.private_dir_root = private_dir_root
+        self.supervisor_timeout_s = supervisor_timeout_s
         self.private_dir: str | None = None
         self.procs: dict[int, WorkerProcess] = {}
         self._trackers = {i: RestartTracker() for i in range(num_workers)}
@@ -268,14 +279,29 @@ class NodeAgent:
             logger.warning("store unreachable (%r); stopping", exc)
             return True
 
+    def _beat(self) -> int | None:
+        try:
+            return int(self.store.add(f"{self.prefix}/beat", 0))
+        except Exception:
+            return None  # _fleet_closed says whether the store is gone
+
     def _monitor(self) -> None:
         last_check = 0.0
+        beat, beat_seen = self._beat(), time.monotonic()
         while not self._done.wait(0.1):
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
                 if self._fleet_closed():
                     logger.info("fleet closed; node %s stops", self.node_id)
+                    self._done.set()
+                    return
+                current = self._beat()
+                if current != beat:
+                    beat, beat_seen = current, now
+                elif now - beat_seen > self.supervisor_timeout_s:
+                    logger.warning("no beat from the supervisor for %.0fs; node %s stops", now - beat_seen,
+                                   self.node_id)
                     self._done.set()
                     return
             with self._lock:
@@ -328,13 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="this node's name, registered as the workers' host (default: the host name); "
                              "a name other than the supervisor's host makes weights go over the collective")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the store and admission")
+    parser.add_argument("--supervisor-timeout", type=float, default=30.0,
+                        help="stop when the supervisor's beat in the store stands still this long (default 30)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
     options = json.loads(args.engine_options) if args.engine_options else None
     agent = NodeAgent(connect_store(args.store, args.timeout), engine=args.engine, engine_options=options,
-                      num_workers=args.workers, devices=devices, prefix=args.prefix, name=args.name)
+                      num_workers=args.workers, devices=devices, prefix=args.prefix, name=args.name,
+                      supervisor_timeout_s=args.supervisor_timeout)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 import zmq
@@ -235,3 +236,56 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait(timeout=10)
             del store
+
+
+SUPERVISOR_ON_STORE = """
+import asyncio, datetime, sys
+import torch
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.actors.node import publish_router
+
+async def main():
+    store = torch.distributed.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, datetime.timedelta(seconds=30))
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=sys.argv[2],
+                         accept_remote_workers=True)
+    async with Supervisor(config) as sup:
+        publish_router(store, sup)
+        while not [h for h in sup.ready_workers() if "/" in h.worker_id]:
+            await asyncio.sleep(0.05)
+        print("remote ready", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(120)
+def test_agent_stops_when_the_supervisor_is_killed_and_the_store_lives_on(tmp_path):
+    # The store outlives the supervisor (as one served by torchrun's agent does): the node
+    # agent sees the supervisor's beat stand still and stops, and its workers with it.
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                                       wait_for_workers=False)
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR_ON_STORE, str(store.port), keys], stdout=subprocess.PIPE,
+                           text=True)
+    agent = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.node", "--store", f"127.0.0.1:{store.port}",
+                              "--workers", "1", "--timeout", "30", "--supervisor-timeout", "2", "--log-level", "WARNING"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert sup.stdout.readline().strip() == "remote ready"
+        workers = psutil.Process(agent.pid).children()
+        assert len(workers) == 1
+        sup.kill()
+        sup.wait(10)
+        assert agent.wait(timeout=20) == 0
+        assert "no beat from the supervisor" in agent.stderr.read()
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive
+    finally:
+        for proc in (sup, agent):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        del store
