@@ -161,7 +161,9 @@ class _Base:
     ) -> AsyncIterator[StreamChunk | GenerationResult]:
         """Yield StreamChunk objects as tokens arrive, then the final GenerationResult.
 
-        Raises like ``generate``. Closing the iterator early aborts the request.
+        Raises like ``generate``. Closing the iterator early (``aclose()``, or leaving
+        ``async with contextlib.aclosing(client.stream(...))``) aborts the request; after a
+        plain ``break`` that waits until the garbage collector closes it.
         """
         async for item in self._run(request_id, prompt_ids, sampling_params, True, session_id, resume, timeout):
             yield item
@@ -279,6 +281,10 @@ class RemoteClient(_Base):
     Before its first request it says ``hello`` with ``batch``: under load its requests then go
     out, and their answers come back, several to a frame (a fleet that does not know ``hello``
     answers with an error, and every message goes alone as before).
+
+    A client belongs to the event loop it is first used on: a call from another loop (another
+    thread, a second ``asyncio.run``) raises RuntimeError before anything is sent. Make one
+    client per loop.
     """
 
     def __init__(self, address: str, *, curve_keys: tuple[bytes, bytes, bytes] | None = None,
@@ -390,8 +396,13 @@ class RemoteClient(_Base):
             return
         self._batch = data.get("batch") is True
 
+    def _on_own_loop(self) -> None:
+        if self._socket()._loop is not asyncio.get_running_loop():
+            raise RuntimeError("this RemoteClient belongs to the event loop it was first used on; "
+                               "make one client per event loop (or thread)")
+
     def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
-        self._socket()
+        self._on_own_loop()
         hello = self._hello
         if hello is None or (hello.done() and (hello.cancelled() or hello.exception() is not None)):
             # once; again only after a failure
@@ -419,7 +430,7 @@ class RemoteClient(_Base):
             self._post(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
 
     async def _call(self, msg: Message) -> dict[str, Any]:
-        self._socket()
+        self._on_own_loop()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[msg.id] = fut
         try:

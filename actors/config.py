@@ -88,6 +88,16 @@ class FleetConfig:
     """How dead workers are restarted; None: never."""
     max_message_bytes: int = 1 << 30
     """Largest message accepted on any socket."""
+    max_client_message_bytes: int = 64 << 20
+    """Largest message header a client may send (a larger one is answered too_large without
+    being decoded): decoding one blocks the supervisor's loop, some 0.2 s per MiB of token
+    ids. 64 MiB holds prompts of over 10 million tokens."""
+    client_send_hwm: int = 100_000
+    """Most messages waiting to go out to one client (a batch counts once). A client that
+    stops reading past this is treated as gone: its requests are cancelled on the workers
+    (no more is sent for them) and stats count it under ``dropped_frames['slow_client']``.
+    0: no limit (its answers then pile up in the supervisor's memory for as long as it
+    does not read)."""
     max_sticky: int = 65536
     """Request/session ids remembered for sticky routing (LRU)."""
     deterministic_routing: bool = False
@@ -133,6 +143,8 @@ class FleetConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.client_send_hwm < 0 or self.max_client_message_bytes < 1024:
+            raise ValueError("client_send_hwm must be >= 0 and max_client_message_bytes >= 1024")
         if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
             raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
         if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:

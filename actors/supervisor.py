@@ -179,7 +179,8 @@ class Supervisor:
             self._wsock = LoopSocket(sock, self._on_worker_frames, on_post_error=self._on_post_error)
             self.worker_address = sock.LAST_ENDPOINT.decode()
             if cfg.frontend_addr:
-                sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=opts,
+                client_opts = SocketOptions(max_message_bytes=cfg.max_message_bytes, hwm=cfg.client_send_hwm)
+                sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=client_opts,
                                    curve_server_keys=server_keys,
                                    zap_domain=auth.CLIENT_DOMAIN if server_keys else None)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames, on_post_error=self._on_client_gone)
@@ -998,12 +999,23 @@ class Supervisor:
         try:
             self._fsock.send([identity, codec.encode(msg)])
         except zmq.ZMQError as exc:
-            logger.debug("client %s unreachable: %s", identity.hex(), exc)
+            self._on_client_gone(identity, exc)
 
     def _on_client_gone(self, identity: bytes | None, exc: zmq.ZMQError) -> None:
-        logger.debug("client %s unreachable: %s", (identity or b"").hex(), exc)
-        if identity is not None:
-            self._batch_clients.pop(identity, None)
+        if identity is None:
+            return
+        self._batch_clients.pop(identity, None)
+        if exc.errno != zmq.EAGAIN:  # disconnected: its requests run on (PROTOCOL.md 1)
+            logger.debug("client %s unreachable: %s", identity.hex(), exc)
+            return
+        # Connected but not reading: client_send_hwm messages wait for it. Stop making more.
+        origin = identity.hex()
+        stalled = [e.request_id for e in self.table if e.origin == origin]
+        for request_id in stalled:
+            self.cancel(origin, request_id)
+        self._drops.log("slow_client", logging.WARNING,
+                        "client %s stopped reading (%d messages wait for it); cancelled its %d requests",
+                        origin, self.config.client_send_hwm, len(stalled))
 
     def _on_frontend_frames(self, frames: list[bytes]) -> None:
         # (identity, header, *buffers)
@@ -1013,7 +1025,7 @@ class Supervisor:
             return
         identity = frames[0]
         try:
-            msg = codec.decode(frames[1:2], self._max_bytes, accept=CLIENT_TYPES)
+            msg = codec.decode(frames[1:2], self.config.max_client_message_bytes, accept=CLIENT_TYPES)
         except codec.DecodeError as exc:
             self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
             self._reply_client(identity, codec.error_for(exc))

@@ -5,6 +5,8 @@ length), so resuming with prompt + partial tokens continues exactly where an
 uninterrupted run would. ``tokens_per_s`` paces generation (0: as fast as possible).
 A weight update with a tensor named ``offset`` shifts every later token, so tests can
 see which weights produced which tokens; a tensor named ``fail`` makes the load fail.
+Prompts are checked as a model's would be (``vocab_size``, 32000): an empty one, or one
+with an id outside the vocabulary, is refused (InvalidRequest, wire code bad_field).
 
 Capacity, to stand in for a real engine in scaling runs:
 
@@ -36,7 +38,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineDead, EngineOutput
+from .base import Engine, EngineDead, EngineOutput, check_prompt
 
 __all__ = ["EchoEngine", "EngineDead", "echo_next_token", "echo_tokens"]
 
@@ -102,6 +104,7 @@ class EchoEngine(Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
+        check_prompt(request_id, prompt_ids, max_len=1 << 62, vocab_size=self.vocab_size)  # no context limit
         self.num_requests += 1
         self._running.add(request_id)
         slot = False

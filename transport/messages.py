@@ -150,6 +150,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= -1 (and fit in 64 bits), got {self.top_k}")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        stop = self.stop_token_ids
+        if stop and not (_INT64_MIN <= min(stop) and max(stop) <= _INT64_MAX):
+            raise ValueError("stop_token_ids must fit in signed 64-bit integers")
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -139,6 +139,90 @@ async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_othe
         assert len(sup.table) == 0
 
 
+async def test_a_client_that_stops_reading_loses_its_requests_and_others_are_served():
+    # A raw client sends streamed requests and reads nothing: once client_send_hwm messages
+    # wait for it, the fleet cancels its requests instead of queueing without end.
+    async with fleet(2, client_send_hwm=200, engine_options={"tokens_per_s": 0}) as sup:
+        ctx = zmq.asyncio.Context()
+        slow = ctx.socket(zmq.DEALER)
+        slow.setsockopt(zmq.RCVHWM, 10)
+        slow.setsockopt(zmq.RCVBUF, 4096)
+        slow.connect(sup.frontend_address)
+        try:
+            for i in range(20):
+                await slow.send(msgpack.packb({"v": 1, "type": "generate", "id": f"s{i}", "prompt_ids": [i + 1],
+                                               "sampling": {"max_tokens": 10_000_000}, "stream": True}))
+            assert await wait_for(lambda: sup._drops.counts.get("slow_client", 0) > 0, 30.0)
+            assert await wait_for(lambda: len(sup.table) == 0, 10.0)
+            stats = await sup.stats()
+            assert stats["dropped_frames"]["slow_client"] >= 1 and stats["num_cancelled"] == 20
+            async with RemoteClient(sup.frontend_address) as other:
+                r = await other.generate("o", [3], SamplingParams(max_tokens=5))
+                assert r.token_ids == expected_tokens([3], 5)
+            # What was queued still arrives once the client reads: chunks, no terminal message.
+            got = []
+            while await slow.poll(200):
+                got.append(msgpack.unpackb(await slow.recv()))
+            assert got and all(m["type"] == "chunk" for m in got)
+            await slow.send(msgpack.packb({"v": 1, "type": "generate", "id": "again", "prompt_ids": [4],
+                                           "sampling": {"max_tokens": 3}}))
+            answer = msgpack.unpackb(await asyncio.wait_for(slow.recv(), 10))
+            assert answer["type"] == "result" and answer["token_ids"] == expected_tokens([4], 3)
+        finally:
+            slow.close(linger=0)
+            ctx.term()
+
+
+async def test_a_client_header_over_the_limit_is_refused_without_decoding():
+    async with fleet(1, max_client_message_bytes=1 << 20) as sup:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(sup.frontend_address)
+        try:
+            big = msgpack.packb({"v": 1, "type": "generate", "id": "big", "prompt_ids": [7] * (1 << 20)})
+            await sock.send(big)
+            answer = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+            assert (answer["type"], answer["code"], answer["id"]) == ("error", "too_large", "")
+            await sock.send(msgpack.packb({"v": 1, "type": "generate", "id": "ok", "prompt_ids": [7] * 1000,
+                                           "sampling": {"max_tokens": 2}}))
+            answer = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+            assert answer["type"] == "result" and answer["token_ids"] == expected_tokens([7] * 1000, 2)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+
+async def test_a_prompt_the_engine_cannot_take_is_the_clients_error_and_the_worker_serves_on():
+    async with fleet(1) as sup:
+        client = sup.client()
+        for prompt in ([], [-1], [32000], [1, 2**63 - 1]):
+            with pytest.raises(InvalidRequest) as info:
+                await client.generate(f"bad{len(prompt)}{prompt[-1] if prompt else ''}", prompt, SamplingParams(max_tokens=2))
+            assert info.value.code == "bad_field"
+        r = await client.generate("good", [31999], SamplingParams(max_tokens=2))
+        assert r.token_ids == expected_tokens([31999], 2)
+        assert [w["restarts"] for w in (await sup.stats())["workers"]] == [0]
+
+
+async def test_a_remote_client_used_from_another_event_loop_refuses_before_sending():
+    async with fleet(1) as sup:
+        async with RemoteClient(sup.frontend_address) as remote:
+            assert (await remote.generate("a", [1], SamplingParams(max_tokens=2))).token_ids == expected_tokens([1], 2)
+            errors = []
+
+            def elsewhere():
+                for call in (remote.generate("b", [1], SamplingParams(max_tokens=2)), remote.stats()):
+                    try:
+                        asyncio.run(call)
+                    except RuntimeError as exc:
+                        errors.append(str(exc))
+
+            await asyncio.to_thread(elsewhere)
+            assert len(errors) == 2 and all("one client per event loop" in e for e in errors)
+            await asyncio.sleep(0.1)
+            assert (await remote.stats())["num_completed"] == 1  # "b" was never sent
+
+
 async def test_duplicate_request_id_is_refused():
     async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
         client = sup.client()

@@ -117,6 +117,9 @@ def _code(raw):
                         "sampling": {"top_k": 2**63}}), "bad_field"),
         (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
                         "sampling": {"seed": 2**63}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"stop_token_ids": [2, 2**64 - 1]}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "abort_all", "id": "x", "session_id": 7}), "bad_field"),
     ],
 )
 def test_malformed_input_is_rejected_with_a_code(raw, code):
