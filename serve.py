@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "exit). The address is also printed as 'rollfleet serving on ADDR'.")
     parser.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
                         help="How long each worker may take to start its engine (default 120).")
+    parser.add_argument("--client-send-hwm", type=int, default=100_000, metavar="N",
+                        help="Messages that may wait for one client; a client that stops reading past "
+                             "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
+    parser.add_argument("--max-client-message-bytes", type=int, default=64 << 20, metavar="N",
+                        help="Largest message a client may send; a larger one is answered too_large "
+                             "(default 67108864, 64 MiB).")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,7 +110,8 @@ async def serve(args: argparse.Namespace) -> int:
             options["model"] = build_tiny_llama(model_dir)
         config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
                              devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout,
-                             curve_keys_dir=args.keys_dir)
+                             curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
+                             max_client_message_bytes=args.max_client_message_bytes)
     except ValueError as exc:
         _remove_dir(model_dir)
         print(f"rollfleet serve: {exc}", file=sys.stderr)
