@@ -58,7 +58,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_keys(args: argparse.Namespace) -> int:
     from .transport.auth import make_keys
 
-    paths = make_keys(args.directory)
+    try:
+        paths = make_keys(args.directory, overwrite=args.force)
+    except FileExistsError as exc:
+        print(f"rollfleet keys: {exc}; pass --force to replace them", file=sys.stderr)
+        return 1
     print(f"server keys: {paths['server_secret']} (keep private), {paths['server_public']} (give to clients)")
     print(f"client keys: {paths['client_secret']} (for one client), authorized public keys in {paths['authorized']}/")
     return 0
@@ -95,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
     keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/.")
+    keys.add_argument("--force", action="store_true",
+                      help="Replace keys already in DIRECTORY (clients and nodes holding the old ones are "
+                           "then refused). Default: refuse and exit 1.")
     keys.set_defaults(func=_cmd_keys)
 
     try:

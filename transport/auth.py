@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import zmq
@@ -55,20 +56,38 @@ def check_bind(addr: str, keys_dir: str | None) -> None:
         )
 
 
-def make_keys(directory: str) -> dict[str, str]:
-    """Write server and client key pairs and the authorized/ directory; returns the paths."""
+def make_keys(directory: str, *, overwrite: bool = False) -> dict[str, str]:
+    """Write server and client key pairs and the authorized/ directory; returns the paths.
+
+    Keys already in ``directory`` are kept: FileExistsError, unless ``overwrite`` (keys handed
+    out before then stop working). Secret keys are readable by their owner only from the
+    moment they exist (written in a private directory, then moved into place)."""
     if not zmq.has("curve"):
         raise RuntimeError("this libzmq was built without CurveZMQ support")
+    names = ("server.key", "server.key_secret", "client.key", "client.key_secret")
+    existing = [n for n in names if os.path.exists(os.path.join(directory, n))]
+    if existing and not overwrite:
+        raise FileExistsError(f"{directory} already holds keys ({', '.join(existing)}); replacing them "
+                              "locks out every client and node given the old ones")
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    server_pub, server_sec = zmq.auth.create_certificates(directory, "server")
-    client_pub, client_sec = zmq.auth.create_certificates(directory, "client")
+    os.chmod(directory, 0o700)
+    scratch = tempfile.mkdtemp(prefix=".keys-", dir=directory)  # 0700
+    try:
+        zmq.auth.create_certificates(scratch, "server")
+        zmq.auth.create_certificates(scratch, "client")
+        for name in names:
+            os.chmod(os.path.join(scratch, name), 0o600 if name.endswith("_secret") else 0o644)
+            os.replace(os.path.join(scratch, name), os.path.join(directory, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     authorized = os.path.join(directory, "authorized")
     os.makedirs(authorized, mode=0o700, exist_ok=True)
-    shutil.copy(client_pub, os.path.join(authorized, "client.key"))
-    for path in (server_sec, client_sec):
-        os.chmod(path, 0o600)
-    return {"server_public": server_pub, "server_secret": server_sec, "client_public": client_pub,
-            "client_secret": client_sec, "authorized": authorized}
+    os.chmod(authorized, 0o700)
+    shutil.copy(os.path.join(directory, "client.key"), os.path.join(authorized, "client.key"))
+    path = os.path.join
+    return {"server_public": path(directory, "server.key"), "server_secret": path(directory, "server.key_secret"),
+            "client_public": path(directory, "client.key"), "client_secret": path(directory, "client.key_secret"),
+            "authorized": authorized}
 
 
 def load_server_keys(directory: str) -> tuple[bytes, bytes]:

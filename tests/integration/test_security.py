@@ -2,6 +2,8 @@
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -90,3 +92,25 @@ async def test_a_client_key_cannot_register_a_worker(tmp_path):
             sock.close()
             ctx.term()
         assert len(sup.workers) == 1
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+def test_keys_command_keeps_existing_keys_unless_forced_and_secrets_stay_private(tmp_path):
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir(mode=0o755)
+    command = [sys.executable, "-m", "rollfleet.cli", "keys", str(keys_dir)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    secret = (keys_dir / "server.key_secret").read_bytes()
+    assert keys_dir.stat().st_mode & 0o777 == 0o700
+    assert (keys_dir / "authorized").stat().st_mode & 0o777 == 0o700
+    for name in ("server.key_secret", "client.key_secret"):
+        assert (keys_dir / name).stat().st_mode & 0o777 == 0o600
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "--force" in again.stderr
+    assert (keys_dir / "server.key_secret").read_bytes() == secret
+    forced = subprocess.run(command + ["--force"], capture_output=True, text=True, timeout=60)
+    assert forced.returncode == 0 and (keys_dir / "server.key_secret").read_bytes() != secret
+    assert sorted(p.name for p in keys_dir.iterdir()) == ["authorized", "client.key", "client.key_secret",
+                                                          "server.key", "server.key_secret"]
+    assert (keys_dir / "authorized" / "client.key").read_bytes() == (keys_dir / "client.key").read_bytes()
