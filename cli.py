@@ -46,10 +46,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    cols = ("worker_id", "state", "pid", "device", "num_inflight", "num_tokens", "weight_version", "restarts", "last_error")
-    print("  ".join(f"{c:>14}" for c in cols))
-    for w in stats["workers"]:
-        print("  ".join(f"{str(w.get(c, ''))[:14]:>14}" for c in cols))
+    cols = ("worker_id", "host", "state", "pid", "device", "num_inflight", "num_tokens", "weight_version", "restarts",
+            "last_error")
+    rows = [[str(w.get(c, "")) for c in cols] for w in stats["workers"]]
+    # Every column as wide as its longest cell (ids and hosts are never cut), but the last
+    # error, which is free text, is cut to keep a row on one line.
+    rows = [row[:-1] + [row[-1][:60]] for row in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)).rstrip())
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
     print(f"in flight: {stats['num_inflight']}  completed: {stats['num_completed']}  "
           f"resumed: {stats['num_resumed']}  failed: {stats['num_failed']}  weight version: {stats['weight_version']}")
     return 0

@@ -73,6 +73,9 @@ async def test_stats_per_worker_from_the_client_the_remote_client_and_the_cli():
             assert stats["num_completed"] == 40 and stats["num_inflight"] == 0
         assert sum(w["num_tokens"] for w in local["workers"]) > 0
         assert victim.worker_id not in table and sup.slots[1].worker_id in table and "in flight: 0" in table
+        header, *rows = table.splitlines()[:3]
+        assert header.split()[:3] == ["worker_id", "host", "state"]
+        assert [row.split()[:3] for row in rows] == [[w["worker_id"], w["host"], "ready"] for w in local["workers"]]
 
 
 def scrape(url):
