@@ -124,6 +124,8 @@ class Supervisor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closing = False
+        self._training_lock = asyncio.Lock()
+        self._training_depth = 0  # open training() blocks: the engines sleep while it is > 0
         self._closed = False
         self._max_bytes = config.max_message_bytes
         self._auth: auth.Authenticator | None = None
@@ -954,8 +956,22 @@ class Supervisor:
     def training(self, level: int = 1) -> "_Training":
         """Hybrid mode: ``async with fleet.training(): <train step>`` puts the engines to sleep
         (freeing device memory for the trainer) and wakes them up afterwards, even on error.
-        Raises Unsupported when an engine cannot sleep."""
+        Blocks may nest or overlap (helpers that each wrap their part, several trainer tasks):
+        the engines sleep when the first one opens, at its ``level``, and wake when the last
+        one closes. Raises Unsupported when an engine cannot sleep."""
         return _Training(self, level)
+
+    async def _enter_training(self, level: int) -> None:
+        async with self._training_lock:
+            if self._training_depth == 0:
+                await self.control("sleep", {"level": level})
+            self._training_depth += 1
+
+    async def _exit_training(self) -> None:
+        async with self._training_lock:
+            self._training_depth -= 1
+            if self._training_depth == 0 and not self.closed:
+                await self.control("wake_up")
 
     async def stats(self, engines: bool = True) -> dict[str, Any]:
         """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker)."""
@@ -1101,8 +1117,7 @@ class _Training:
         self.level = level
 
     async def __aenter__(self) -> None:
-        await self.supervisor.control("sleep", {"level": self.level})
+        await self.supervisor._enter_training(self.level)
 
     async def __aexit__(self, *exc: Any) -> None:
-        if not self.supervisor.closed:
-            await self.supervisor.control("wake_up")
+        await self.supervisor._exit_training()

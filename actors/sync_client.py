@@ -147,15 +147,19 @@ class SyncClient:
         return self._call(self.supervisor.stats())
 
     def training(self, level: int = 1) -> Any:
-        """``with fleet.training(): <train step>``: engines sleep during the step (hybrid mode)."""
+        """``with fleet.training(): <train step>``: engines sleep during the step (hybrid mode);
+        Supervisor.training, blocks may nest or overlap. Leaving the block after the fleet was
+        shut down inside it is not an error."""
         sync = self
+        block = self.supervisor.training(level)
 
         class _Ctx:
             def __enter__(self) -> None:
-                sync.sleep(level)
+                sync._call(block.__aenter__())
 
             def __exit__(self, *exc: Any) -> None:
-                sync.wake_up()
+                if not sync._closed:
+                    sync._call(block.__aexit__(*exc))
 
         return _Ctx()
 

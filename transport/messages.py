@@ -123,7 +123,8 @@ class SamplingParams:
     """Sampling settings of one request; the ``sampling`` map of ``generate``."""
 
     max_tokens: int = 16
-    """Most tokens to generate (>= 0)."""
+    """Most tokens to generate (>= 0). A model's engine also stops where prompt and output
+    fill its context (finish_reason 'length' then too)."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0

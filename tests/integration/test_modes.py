@@ -1,11 +1,13 @@
 """Deployment modes: hybrid (sleep around training), standalone (collective weights),
 colocated (no weight sync), and a policy fleet beside a reward fleet in one group."""
 
+import asyncio
+
 import pytest
 import torch
 
-from rollfleet.actors import FleetConfig, FleetGroup, Supervisor
-from rollfleet.errors import Unsupported
+from rollfleet.actors import FleetConfig, FleetGroup, Supervisor, SyncClient
+from rollfleet.errors import FleetClosed, Unsupported
 from rollfleet.transport.messages import SamplingParams
 
 from .test_fleet_echo import expected_tokens
@@ -22,6 +24,46 @@ async def test_hybrid_training_context_sleeps_and_wakes_the_engines():
         assert not any(w["engine_stats"]["sleeping"] for w in stats["workers"])
         report = await sup.update_weights([("offset", torch.tensor([1]))], version=1)
         assert {w.transport for w in report.workers.values()} == {"shm"}
+
+
+async def test_nested_and_overlapping_training_blocks_keep_the_engines_asleep_until_the_last_ends():
+    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
+        async def sleeping():
+            return [w["engine_stats"]["sleeping"] for w in (await sup.stats())["workers"]]
+
+        async with sup.training():
+            async with sup.training():  # a helper that wraps its own part of the step
+                assert await sleeping() == [True, True]
+            assert await sleeping() == [True, True]
+        assert await sleeping() == [False, False]
+
+        seen = []
+
+        async def step(seconds):
+            async with sup.training():
+                await asyncio.sleep(seconds)
+                seen.append(await sleeping())
+
+        await asyncio.gather(step(0.1), step(0.5))  # the short step's end must not wake the long one
+        assert seen == [[True, True], [True, True]]
+        assert await sleeping() == [False, False]
+        with pytest.raises(RuntimeError):
+            async with sup.training():
+                raise RuntimeError("the step failed")
+        assert await sleeping() == [False, False]
+
+
+def test_sync_training_blocks_nest_and_a_shutdown_inside_one_is_not_an_error():
+    with SyncClient(FleetConfig(engine="echo", mode="hybrid", num_workers=1)) as fleet:
+        with fleet.training():
+            with fleet.training():
+                pass
+            assert fleet.stats()["workers"][0]["engine_stats"]["sleeping"]
+        assert not fleet.stats()["workers"][0]["engine_stats"]["sleeping"]
+        with fleet.training():
+            fleet.shutdown()
+    with pytest.raises(FleetClosed):
+        fleet.stats()
 
 
 async def test_standalone_fleet_moves_weights_over_the_collective():
