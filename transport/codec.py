@@ -236,6 +236,8 @@ def _check_header(header: Any) -> None:
     if type(header) is not dict:
         raise DecodeError("bad_message", f"header must be a map, got {type(header).__name__}")
     msg_id = header.get("id")
+    if list(map(type, header)).count(str) != len(header):  # a bin key names no field
+        raise DecodeError("bad_field", "a map has a key that is not a str", msg_id if type(msg_id) is str else None)
     if type(msg_id) is not str:
         raise DecodeError("bad_field", "field 'id' must be a string")
     version = header.get("v")

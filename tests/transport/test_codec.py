@@ -130,8 +130,14 @@ def test_a_key_that_is_not_a_str_is_answered_with_the_messages_id():
     # anywhere in the message: the id is read back without building the maps
     for header in ({"v": 1, "type": "generate", "id": "r1", "prompt_ids": [1], "sampling": {7: 1}},
                    {"v": 1, "type": "control", "id": "r1", "op": "sleep", "args": {None: 1}},
-                   {3: "x", "v": 1, "type": "stats", "id": "r1"}):
+                   {3: "x", "v": 1, "type": "stats", "id": "r1"},
+                   # bin keys: at the top level and in a known field's map
+                   {"v": 1, "type": "stats", "id": "r1", b"x": 1},
+                   {"v": 1, "type": "generate", "id": "r1", "prompt_ids": [1], b"stream": 5},
+                   {"v": 1, "type": "generate", "id": "r1", "prompt_ids": [1], "sampling": {b"max_tokens": 2}}):
         assert _code(msgpack.packb(header)) == ("bad_field", "r1")
+    # the value of a field the receiver does not know is not looked into
+    assert type(codec.decode([msgpack.packb({"v": 1, "type": "stats", "id": "r1", "zz": {b"k": 1}})])).__name__ == "Stats"
     # an id that cannot be read (itself a map with such keys) leaves it empty
     assert _code(msgpack.packb({"v": 1, "type": "stats", "id": {1: 2}})) == ("bad_field", None)
 
