@@ -42,7 +42,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         async with RemoteClient(args.address, call_timeout_s=args.timeout, curve_keys=keys) as client:
             return await client.stats()
 
-    stats = _run(go())
+    import zmq
+
+    from .errors import RolloutError
+
+    try:
+        stats = _run(go())
+    except (RolloutError, zmq.ZMQError, OSError) as exc:  # no fleet there, keys refused, a bad address
+        print(f"rollfleet stats: {args.address}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -106,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
     keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/.")
     keys.add_argument("--force", action="store_true",
-                      help="Replace keys already in DIRECTORY (clients and nodes holding the old ones are "
-                           "then refused). Default: refuse and exit 1.")
+                      help="Replace keys already in DIRECTORY (clients given the old keys are then refused). "
+                           "Default: refuse and exit 1.")
     keys.set_defaults(func=_cmd_keys)
 
     try:

@@ -14,8 +14,8 @@
     │   └── RequestTimeout           no answer within the deadline
     └── FleetError                   a fleet-wide operation failed, or the fleet is gone
         ├── WorkerStartError         a worker failed to start or register
-        ├── WeightUpdateError        a weight update failed (every worker keeps its previous
-        │                            weights and the fleet serves on: retry the update)
+        ├── WeightUpdateError        a weight update failed (the fleet serves on with the last
+        │                            good weights, or a worker's initial ones: retry the update)
         └── FleetClosed              the fleet is shut down or shutting down
 
 Every error that crosses the wire has a string ``code`` (see PROTOCOL.md); ``from_code``

@@ -1,9 +1,10 @@
 """Clients: LLMClient (in the supervisor's process) and RemoteClient (over the frontend socket).
 
-Both have the same methods. ``generate`` awaits the whole result; ``stream`` yields
-StreamChunk objects and returns when the request ends (its result is then available as
-the generator's ``result`` attribute via ``stream_with_result``). Cancelling the awaiting
-task (``asyncio.timeout``, ``wait_for``) stops the request on its worker too.
+Both have ``generate`` (awaits the whole result), ``stream`` (yields StreamChunk objects,
+then the final GenerationResult), ``abort``, ``abort_all``, ``stats`` and ``control``;
+LLMClient also drives the fleet (``update_weights``, ``sleep``, ``wake_up``,
+``clear_kv_cache``, profiling). Cancelling the awaiting task (``asyncio.timeout``,
+``wait_for``) stops the request on its worker too.
 """
 
 from __future__ import annotations

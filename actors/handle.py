@@ -22,7 +22,6 @@ _call_ids = itertools.count(1)
 class WorkerState(str, enum.Enum):
     STARTING = "starting"
     READY = "ready"
-    DRAINING = "draining"  # no new requests (weight update, shutdown)
     DEAD = "dead"
 
 

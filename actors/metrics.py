@@ -115,7 +115,7 @@ class MetricsExporter:
             key = [str(w.get("index", "")), str(w.get("device", ""))]
             current = str(w.get("state", ""))
             up.add_metric(key, 1.0 if current == "ready" else 0.0)
-            for name in ("starting", "ready", "draining", "dead"):
+            for name in ("starting", "ready", "dead"):
                 state.add_metric([*key, name], 1.0 if current == name else 0.0)
             inflight.add_metric(key, float(w.get("num_inflight", 0)))
             tokens.add_metric(key, float(w.get("num_tokens", 0)))

@@ -217,7 +217,8 @@ class NodeAgent:
         logger.info("node %s joined %s with %d workers", self.node_id, self._router["address"], self.num_workers)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the agent stops (fleet closed, store gone, shutdown()); True if it did."""
+        """Block until the agent stops (fleet closed, store gone, the supervisor's beat standing
+        still for supervisor_timeout_s, shutdown()); True if it did."""
         return self._done.wait(timeout)
 
     def shutdown(self, grace_s: float = 5.0) -> None:

@@ -1053,7 +1053,7 @@ class Supervisor:
         elif len(msg.messages) > MAX_CLIENT_BATCH:
             self._drops.log("client_batch_too_large", logging.WARNING, "refused a client batch of %d messages",
                             len(msg.messages))
-            self._reply_client(identity, Error(id=msg.id, code="too_large",
+            self._reply_client(identity, Error(id="", code="too_large",  # a batch's own id is ignored
                                                message=f"a batch of {len(msg.messages)} messages: a client's batch "
                                                        f"holds at most {MAX_CLIENT_BATCH}"))
         else:

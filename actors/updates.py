@@ -144,15 +144,13 @@ class WeightSync:
                 keep_lora = True
             else:
                 keep_lora = False
-            if callable(named_tensors):
-                self._source = named_tensors
-                tensors: NamedTensors = named_pairs(named_tensors())
-            else:
-                self._source = None
-                tensors = named_pairs(named_tensors)
+            # What restores a worker (the kept copy or the callable) changes only when this
+            # update commits: a failed one is repaired from the last good version's.
+            source = named_tensors if callable(named_tensors) else None
+            tensors: NamedTensors = named_pairs(named_tensors() if source is not None else named_tensors)
             # Adapters are not base weights: they are not kept for catching up restarted workers.
             keep: list[tuple[str, Any]] | None = (
-                [] if self.keep_last_weights and self._source is None and not keep_lora else None
+                [] if self.keep_last_weights and source is None and not keep_lora else None
             )
             if keep is not None:
                 # Two kept copies, used in turn: this update writes into the older one, so the
@@ -174,8 +172,12 @@ class WeightSync:
                 for h in links:
                     h.weight_version = version
                 sup.weight_version = version
-                if keep is not None:
-                    self._spare, self._last = self._last, keep
+                if not keep_lora:
+                    self._source = source
+                    if keep is not None:
+                        self._spare, self._last = self._last, keep
+                    else:  # a callable, or nothing kept: an older copy would restore a wrong version
+                        self._spare = self._last = None
                 self.last_report = report
                 self.num_updates += 1
                 return report

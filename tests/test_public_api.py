@@ -44,6 +44,14 @@ def test_cli_help_lists_every_command():
         assert command in out.stdout
 
 
+def test_stats_without_a_fleet_says_so_in_one_line_and_exits_1():
+    for address in ("tcp://127.0.0.1:1", "nonsense://x"):
+        out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "stats", address, "--timeout", "0.5"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.startswith(f"rollfleet stats: {address}: ") and out.stderr.count("\n") == 1
+
+
 def test_demo_runs_on_the_echo_engine_and_exits_cleanly(tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     out = subprocess.run(

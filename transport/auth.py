@@ -68,7 +68,7 @@ def make_keys(directory: str, *, overwrite: bool = False) -> dict[str, str]:
     existing = [n for n in names if os.path.exists(os.path.join(directory, n))]
     if existing and not overwrite:
         raise FileExistsError(f"{directory} already holds keys ({', '.join(existing)}); replacing them "
-                              "locks out every client and node given the old ones")
+                              "locks out every client given the old ones")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
     scratch = tempfile.mkdtemp(prefix=".keys-", dir=directory)  # 0700

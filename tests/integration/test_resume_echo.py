@@ -166,6 +166,31 @@ async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weigh
         assert r.token_ids == expected_tokens([4], 5, offset=3) and r.weight_versions == [7]
 
 
+async def test_a_failed_update_is_repaired_from_the_last_good_versions_source_not_its_own():
+    async with fleet(1, tokens_per_s=0) as sup:
+        client = sup.client()
+
+        async def offset_now():
+            r = await client.generate("probe", [4], SamplingParams(max_tokens=5))  # one at a time: the id is free again
+            return [k for k in range(10) if r.token_ids == expected_tokens([4], 5, offset=k)], r.weight_versions
+
+        await client.update_weights(lambda: offset(3), version=1)
+        # A failing callable must not become the source the repair calls again.
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(lambda: offset(7) + [("fail", torch.zeros(32))], version=2, bucket_bytes=64)
+        assert await offset_now() == ([3], [1])
+        # A failing list after a callable: the callable (version 1) still restores it.
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(offset(9) + [("fail", torch.zeros(32))], version=3, bucket_bytes=64)
+        assert await offset_now() == ([3], [1])
+        assert [(w["weight_version"], w["restarts"]) for w in (await sup.stats())["workers"]] == [(1, 0)]
+        # A committed list replaces the callable; its kept copy restores the next failure.
+        await client.update_weights(offset(5), version=4)
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(lambda: offset(8) + [("fail", torch.zeros(32))], version=5, bucket_bytes=64)
+        assert await offset_now() == ([5], [4])
+
+
 async def test_bad_update_arguments_fail_before_any_request_is_interrupted():
     async with fleet(1) as sup:
         client = sup.client()
