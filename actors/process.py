@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import psutil
 from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
-           "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm"]
+           "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm",
+           "claim_private_dir", "sweep_private_dirs"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,58 @@ def sweep_shm_lists(private_dir: str | None, everything: bool = False) -> list[s
     if gone:
         logger.info("unlinked %d shared-memory names left by engine processes: %s", len(gone), ", ".join(gone))
     return gone
+
+
+# A supervisor's private directory names its owner (``owner``: pid and start time), so that
+# a directory left by a supervisor that died while none of its workers lived to remove it (all
+# of them between restarts, say) is removed by the next supervisor that starts there.
+OWNER_FILE = "owner"
+
+
+def claim_private_dir(private_dir: str) -> None:
+    """Write this process's pid and start time into its private directory."""
+    me = psutil.Process()
+    with open(os.path.join(private_dir, OWNER_FILE), "w") as f:
+        f.write(f"{me.pid} {me.create_time()!r}\n")
+
+
+def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
+    """Remove the private directories under ``root`` whose owner process is gone (their
+    socket files and logs), unlinking first the shm names their engines listed. Directories
+    without an owner file (not a supervisor's) and other users' are left alone."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                pid_text, start_text = f.read().split()
+            pid, start = int(pid_text), float(start_text)
+        except (OSError, ValueError):
+            continue
+        if _alive(pid, start):
+            continue
+        sweep_shm_lists(path, everything=True)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.warning("removed %d private directories left by dead supervisors: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int, start_time: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - start_time) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 def is_resource_tracker(proc: psutil.Process) -> bool:

@@ -68,7 +68,7 @@ from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
 from .metrics import LogLimiter, MetricsExporter
-from .process import WorkerProcess, device_env, sweep_shm_lists
+from .process import WorkerProcess, claim_private_dir, device_env, sweep_private_dirs, sweep_shm_lists
 from .router import Router
 from .updates import WeightSync
 
@@ -160,6 +160,8 @@ class Supervisor:
         try:
             self.private_dir = tempfile.mkdtemp(prefix="rollfleet-", dir=cfg.private_dir_root)
             os.chmod(self.private_dir, 0o700)
+            claim_private_dir(self.private_dir)
+            sweep_private_dirs(os.path.dirname(self.private_dir))
             self._ctx = zmq.Context()
             opts = SocketOptions(max_message_bytes=cfg.max_message_bytes)
             self.worker_address = cfg.worker_addr or f"ipc://{self.private_dir}/workers.sock"

@@ -338,3 +338,42 @@ def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothin
         proc.wait()
         for pid in alive(pids if "pids" in locals() else []):
             os.kill(pid, signal.SIGKILL)
+
+
+NO_WORKER_ALIVE_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
+
+    async def main():
+        config = FleetConfig(engine="echo", num_workers=1, private_dir_root=sys.argv[1],
+                             restart=RestartPolicy(backoff_s=60, max_backoff_s=60))
+        async with Supervisor(config) as sup:
+            print(sup.private_dir, sup.slots[0].pid, flush=True)
+            await asyncio.sleep(3600)
+    asyncio.run(main())
+""")
+
+
+async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_goes_at_the_next_start(tmp_path):
+    # The supervisor dies while its only worker is dead and waiting to be restarted: no
+    # process of the fleet is left to remove its directory (socket file, logs). The next
+    # supervisor that starts in the same place does.
+    proc = subprocess.Popen([sys.executable, "-c", NO_WORKER_ALIVE_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        private_dir, pid = proc.stdout.readline().split()
+        os.kill(int(pid), signal.SIGKILL)
+        assert await wait_for(lambda: not alive([int(pid)]), 10.0)
+        await asyncio.sleep(0.5)  # the supervisor has seen it die; its restart is a minute away
+        proc.kill()
+        proc.wait(10)
+        assert os.path.exists(os.path.join(private_dir, "workers.sock"))
+        other = tmp_path / "rollfleet-not-a-fleet"  # no owner file: never touched
+        other.mkdir()
+        async with fleet(1, private_dir_root=str(tmp_path)) as sup:
+            assert not os.path.exists(private_dir)
+            assert other.exists() and os.path.exists(sup.private_dir)
+        assert sorted(os.listdir(tmp_path)) == ["rollfleet-not-a-fleet"]
+    finally:
+        proc.kill()
+        proc.wait(10)
