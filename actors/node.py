@@ -47,7 +47,7 @@ import zmq
 
 from .config import RestartPolicy
 from .handle import RestartTracker
-from .process import WorkerProcess, device_env
+from .process import WorkerProcess, device_env, sampling_seed
 
 __all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "DEFAULT_PREFIX"]
 
@@ -249,6 +249,7 @@ class NodeAgent:
         options.setdefault("private_dir", self.private_dir)
         options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
         worker_id = f"{self.node_id}/w{index}-{self._trackers[index].total}"
+        options["sampling_seed"] = sampling_seed(options.get("seed"), worker_id)
         env = dict(self.worker_env)
         env.update(device_env(device))
         self.procs[index] = WorkerProcess(

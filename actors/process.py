@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,11 +19,25 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm",
-           "claim_private_dir", "sweep_private_dirs"]
+           "claim_private_dir", "sweep_private_dirs", "sampling_seed"]
 
 logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "ROLLFLEET_WORKER_CONFIG"
+
+
+def sampling_seed(base: Any, worker_id: str) -> int:
+    """The seed of a worker's draws for requests that bring no seed of their own, in [0, 2**31).
+
+    Worker ids name a slot and its restart count, so no two workers of a fleet (nor a worker
+    and the one that replaced it) draw the same samples. From the engine option ``seed`` when
+    set, so a fleet started the same way draws the same way (fleets of different ranks should
+    then be given different seeds); else from the OS's randomness.
+    """
+    if base is None:
+        return int.from_bytes(os.urandom(4), "little") >> 1
+    digest = hashlib.blake2b(f"{int(base)}/{worker_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def device_env(device: str, environ: dict[str, str] | None = None) -> dict[str, str]:

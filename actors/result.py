@@ -21,6 +21,7 @@ class GenerationResult:
     weight_versions: list[int] = field(default_factory=list)
     """Weight version of each segment that produced tokens, in order."""
     num_preemptions: int = 0
+    """How often it was interrupted (weight update, dead worker) to be resumed."""
     worker: str = ""
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -68,7 +68,14 @@ from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
 from .metrics import LogLimiter, MetricsExporter
-from .process import WorkerProcess, claim_private_dir, device_env, sweep_private_dirs, sweep_shm_lists
+from .process import (
+    WorkerProcess,
+    claim_private_dir,
+    device_env,
+    sampling_seed,
+    sweep_private_dirs,
+    sweep_shm_lists,
+)
 from .router import Router
 from .updates import WeightSync
 
@@ -210,6 +217,7 @@ class Supervisor:
         engine_options = dict(cfg.engine_options)
         engine_options.setdefault("private_dir", self.private_dir)
         engine_options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
+        engine_options["sampling_seed"] = sampling_seed(engine_options.get("seed"), worker_id)
         env = dict(cfg.worker_env)
         env.update(device_env(device))
         if cfg.engine == "vllm" and device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in {**os.environ, **env}:

@@ -7,7 +7,8 @@ adapter drop the matching capability and raise ``Unsupported``, instead of faili
 
 Options: ``model`` (path, required), ``engine_factory`` ("module:callable" building the engine;
 default "sglang:Engine"), ``extra`` (more keyword arguments for the engine: tp_size,
-mem_fraction_static, ...). ``seed`` maps to SGLang's ``random_seed``.
+mem_fraction_static, ...). ``seed`` maps to SGLang's ``random_seed``; ``sampling_seed`` (set per
+worker by a fleet, derived from ``seed``) takes its place when present.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ class SglangEngine(Engine):
     async def start(self) -> None:
         factory = load_factory(str(self.options.get("engine_factory") or "sglang:Engine"))
         kwargs: dict[str, Any] = {"model_path": str(self.options["model"]), "skip_tokenizer_init": True}
-        if self.options.get("seed") is not None:
-            kwargs["random_seed"] = int(self.options["seed"])
+        seed = self.options.get("sampling_seed", self.options.get("seed"))
+        if seed is not None:
+            kwargs["random_seed"] = int(seed)
         kwargs.update(self.options.get("extra") or {})
         # Building an SGLang engine blocks while it loads the model; keep the loop alive.
         self.engine = await asyncio.to_thread(factory, **kwargs)

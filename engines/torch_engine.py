@@ -7,14 +7,15 @@ free for heartbeats and aborts.
 
 Sampling: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``); otherwise
 top-k, then top-p, then a draw from the request's own ``torch.Generator``, seeded with
-``params.seed`` (or from the engine's ``seed`` option and arrival order when unset).
+``params.seed`` (when unset, from the engine's ``sampling_seed`` option and arrival order).
 Logprobs are ``log_softmax`` of the raw logits, before temperature and filtering, so they
 say how likely the model itself found the token, whatever the sampling settings.
 
 Options: ``model`` (a local directory; unset builds the tiny random Llama of ``tiny.py``
 in memory, so a demo needs no download), ``device`` ("cpu"), ``dtype`` ("float32"),
-``max_batch_size`` (32), ``seed`` (0; the tiny model's seed and the source of seeds for
-requests without one), ``attn_implementation`` ("sdpa"), ``num_threads`` (torch intra-op
+``max_batch_size`` (32), ``seed`` (0; the tiny model's seed), ``sampling_seed`` (the source of
+seeds for requests without one; default ``seed``: a fleet sets it per worker, see
+``actors.process.sampling_seed``), ``attn_implementation`` ("sdpa"), ``num_threads`` (torch intra-op
 threads, process-wide; default 1 on the CPU, torch's own choice on a GPU).
 
 Why 1 thread on the CPU by default: on a 2-core machine, the tiny model decoded ~30x
@@ -57,6 +58,8 @@ class TorchEngine(Engine):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         self.seed = int(self.options.get("seed") or 0)
+        sampling = self.options.get("sampling_seed")
+        self.sampling_seed = self.seed if sampling is None else int(sampling)
         threads = self.options.get("num_threads")
         if threads is None and self.device.type == "cpu":
             threads = 1
@@ -74,7 +77,7 @@ class TorchEngine(Engine):
         """Load the model and start the engine thread; raises what loading raises."""
         self.model = await asyncio.to_thread(self._load_model)
         self._runner = Runner(self.model, device=self.device, max_batch_size=self.max_batch_size,
-                              seed=self.seed, num_threads=self.num_threads, loop=asyncio.get_running_loop())
+                              seed=self.sampling_seed, num_threads=self.num_threads, loop=asyncio.get_running_loop())
         self._runner.start()
         logger.info("torch engine ready on %s (%s, max batch %d)", self.device, self.dtype, self.max_batch_size)
 

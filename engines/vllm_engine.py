@@ -11,7 +11,8 @@ and calls the model runner's ``reload_weights``. A failed reload leaves the mode
 loaded (meta tensors), so it raises ``EngineDead`` and the engine refuses further work.
 
 Options: ``model`` (dir, required), ``max_model_len`` (512), ``gpu_memory_utilization``,
-``dtype``, ``seed``, ``tensor_parallel_size``, ``enforce_eager`` (default: True without CUDA),
+``dtype``, ``seed`` (vLLM's seed: its draws for requests without one; a fleet passes each worker
+its own, ``sampling_seed``, derived from it), ``tensor_parallel_size``, ``enforce_eager`` (default: True without CUDA),
 ``enable_lora``, ``max_lora_rank`` (16), ``profile_dir`` (enables vLLM's torch profiler; it is
 configured once, at start), ``private_dir``, ``extra`` (more engine arguments).
 """
@@ -228,6 +229,10 @@ class VllmEngine(Engine):
         for key in ("gpu_memory_utilization", "dtype", "seed", "tensor_parallel_size"):
             if opts.get(key) is not None:
                 args[key] = opts[key]
+        if opts.get("sampling_seed") is not None:
+            # vLLM draws unseeded requests from one generator seeded with this: the same value in
+            # every worker would give them the same samples.
+            args["seed"] = int(opts["sampling_seed"])
         if opts.get("enable_lora"):
             args["enable_lora"] = True
             args["max_lora_rank"] = int(opts.get("max_lora_rank", 16))

@@ -132,7 +132,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 (or -1) means no limit."""
     seed: int | None = None
-    """Per-request seed for reproducible sampling."""
+    """Per-request seed for reproducible sampling. A resumed request draws again from its seed at
+    the resume point. Without one, each worker of a fleet draws from a source of its own."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these tokens (the token is included)."""
     ignore_eos: bool = False
@@ -374,7 +375,7 @@ class Result(Message):
     weight_versions: list[int] = field(default_factory=list)
     """Weight version of each segment, in order (one entry per attempt that produced tokens)."""
     num_preemptions: int = 0
-    """How often the request was interrupted and resumed."""
+    """How often the request was interrupted (weight update, dead worker) to be resumed."""
     worker: str = ""
     """Worker that produced the last segment."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -27,6 +27,7 @@ class MinimalStandinEngine:
     def __init__(self, model_path: str, skip_tokenizer_init: bool = False, random_seed: int | None = None, **kwargs: Any):
         self.model_path = model_path
         self.skip_tokenizer_init = skip_tokenizer_init
+        self.random_seed = random_seed
         self.kwargs = kwargs
         self.offset = 0
         self.aborted: set[str] = set()

@@ -56,6 +56,16 @@ async def test_start_passes_model_and_token_in_token_out(engine):
     assert isinstance(engine, SglangEngine) and isinstance(engine.engine, StandinEngine)
     assert engine.engine.model_path == "/models/x" and engine.engine.skip_tokenizer_init
     assert engine.engine.kwargs == {"tp_size": 1}
+    assert engine.engine.random_seed == 3  # the seed option, with no per-worker seed given
+
+
+async def test_a_fleets_per_worker_sampling_seed_is_sglangs_random_seed():
+    eng = create_engine("sglang", {"model": "/m", "engine_factory": FULL, "seed": 3, "sampling_seed": 41})
+    await eng.start()
+    try:
+        assert eng.engine.random_seed == 41
+    finally:
+        await eng.shutdown()
 
 
 async def test_generate_streams_only_new_tokens(engine):

@@ -121,6 +121,22 @@ async def test_seeded_sampling_is_reproducible_and_seeds_differ(engine):
     assert batched[0][0] == first
 
 
+async def test_unseeded_draws_follow_the_sampling_seed_option():
+    # Two engines with the same model: equal sampling_seed draws alike, another one differs.
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    prompt = prompts(1, seed=12)[0]
+    draws = []
+    for sampling_seed in (5, 5, 6):
+        eng = TorchEngine({"seed": 0, "sampling_seed": sampling_seed})
+        await eng.start()
+        try:
+            draws.append((await collect(eng, "unseeded", prompt, params))[0])
+        finally:
+            await eng.shutdown()
+    assert draws[0] == draws[1]
+    assert draws[0] != draws[2]
+
+
 async def test_top_k_one_sampling_equals_greedy(engine):
     prompt = prompts(1, seed=4)[0]
     greedy = (await collect(engine, "tk-greedy", prompt, GREEDY))[0]

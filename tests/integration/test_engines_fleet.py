@@ -198,6 +198,16 @@ async def test_torch_fleet_greedy_matches_transformers(torch_fleet, hf):
         assert r.finish_reason == "length" and r.weight_versions == [0]
 
 
+async def test_torch_fleet_unseeded_samples_differ_between_workers(torch_fleet):
+    # Each worker draws unseeded requests from a source of its own: with one source for all,
+    # a group of samples of one prompt spread over the workers repeated itself worker by worker.
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    client = torch_fleet.client()
+    results = await asyncio.gather(*(client.generate(f"draw{i}", PROMPTS[0], params) for i in range(4)))
+    assert {r.worker for r in results} == {"w0-0", "w1-0"}
+    assert len({tuple(r.token_ids) for r in results}) == 4
+
+
 @pytest.mark.vllm
 async def test_vllm_fleet_greedy_equals_torch_fleet_and_transformers(vllm_fleet, torch_fleet, hf):
     from_vllm = await all_greedy(vllm_fleet, "v", PROMPTS)
