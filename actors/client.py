@@ -10,6 +10,7 @@ LLMClient also drives the fleet (``update_weights``, ``sleep``, ``wake_up``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -166,8 +167,12 @@ class _Base:
         ``async with contextlib.aclosing(client.stream(...))``) aborts the request; after a
         plain ``break`` that waits until the garbage collector closes it.
         """
-        async for item in self._run(request_id, prompt_ids, sampling_params, True, session_id, resume, timeout):
-            yield item
+        # Closed here, not left to the collector: aclose() must abort before it returns (a
+        # RemoteClient closed right after could not send the abort any more).
+        async with contextlib.aclosing(self._run(request_id, prompt_ids, sampling_params, True, session_id,
+                                                 resume, timeout)) as items:
+            async for item in items:
+                yield item
 
     async def _run(self, request_id: str, prompt_ids: list[int], sampling_params: Any, stream: bool,
                    session_id: str | None, resume: bool | None, timeout: float | None

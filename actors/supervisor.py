@@ -16,6 +16,7 @@ Policy (Router), state (InflightTable, WorkerHandle), processes (process.py), we
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -246,6 +247,11 @@ class Supervisor:
             env,
             os.path.join(self.private_dir, f"{worker_id}.log"),
         )
+        if generation >= 2:
+            # A slot keeps the logs of its worker and of the one before it: one file per restart
+            # would pile up for as long as the fleet runs.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.private_dir, f"w{index}-{generation - 2}.log"))
         handle = WorkerHandle(index=index, generation=generation, device=device, proc=proc, send=self._send_worker)
         previous = self.slots.get(index)
         if previous is not None:

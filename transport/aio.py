@@ -199,11 +199,15 @@ class LoopSocket:
     def _send_now(self, frames: list[Any], copy: bool = True) -> None:
         send = self._send
         last = len(frames) - 1
-        for i in range(last):
-            send(frames[i], _MORE, copy=copy)
-        send(frames[last], _NOBLOCK, copy=copy)
-        if not self._draining:  # a drain in progress checks again after its handler returns
-            self._schedule_drain()
+        try:
+            for i in range(last):
+                send(frames[i], _MORE, copy=copy)
+            send(frames[last], _NOBLOCK, copy=copy)
+        finally:
+            # Any call on the socket, a failed send included (EHOSTUNREACH to a gone peer),
+            # may take the edge of its fd's readiness: look for input that came meanwhile.
+            if not self._draining:  # a drain in progress checks again after its handler returns
+                self._schedule_drain()
 
     def close(self, linger: int = 0) -> None:
         """Send what is posted, then close (``linger`` ms to deliver it)."""

@@ -253,6 +253,24 @@ async def test_cancellation_reaches_the_worker():
         assert sup.counters["cancelled"] == 2
 
 
+async def test_closing_a_stream_aborts_its_request_before_aclose_returns():
+    async with fleet(1, engine_options={"tokens_per_s": 200}) as sup:
+        client = sup.client()
+        stream = client.stream("local-s", [1], SamplingParams(max_tokens=1000))
+        await stream.__anext__()
+        await stream.aclose()
+        assert len(sup.table) == 0  # at once: not when the collector finalizes an inner generator
+        async with RemoteClient(sup.frontend_address) as remote:
+            stream = remote.stream("remote-s", [1], SamplingParams(max_tokens=1000))
+            await stream.__anext__()
+            await stream.aclose()
+        # The client closed right after aclose(): the abort went out before it did.
+        assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+        # 1000 tokens at 200/s would take 5 s: both ended early, by the client's cancel and abort.
+        assert sup.counters["cancelled"] == 1 and sup.counters["aborted"] == 1
+        assert sup.counters["completed"] == 0
+
+
 async def test_hooks_are_called():
     class Recording(LLMClient):
         def __init__(self, sup):

@@ -1,6 +1,7 @@
 """LoopSocket over real ZeroMQ sockets: posted messages go out in order, batched per peer."""
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -111,4 +112,27 @@ async def test_a_post_to_a_gone_peer_reaches_the_error_callback_and_others_still
     await asyncio.sleep(0.01)
     assert errors == [(b"nobody", zmq.EHOSTUNREACH)] * 2
     assert received(dealer) == [[Stats(id="kept0")], [Stats(id="kept1"), Stats(id="kept2")]]
+    lsock.close()
+
+
+async def test_input_that_came_during_a_failed_send_is_still_read(pair):
+    # A send that fails (EHOSTUNREACH: the peer is gone) processes the socket's events as a good
+    # one does, so the fd's edge for a message that arrived meanwhile is gone: the socket must
+    # look for input after it, or that message waits for the next unrelated wake-up.
+    router, dealer = pair
+    got = []
+    lsock = LoopSocket(router, got.append)
+    await asyncio.sleep(0.01)
+    dealer.send(b"meanwhile")
+    deadline = time.monotonic() + 5
+    while not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # it arrived; the loop has not run
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    with pytest.raises(zmq.ZMQError):
+        lsock.send([b"nobody", b"x"])
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    assert got == [[b"peer", b"meanwhile"]]
     lsock.close()
