@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["main"]
@@ -21,24 +23,69 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (argparse exits 2 with one line otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def log_level(text: str) -> int:
+    """An argparse type: a logging level by name (any case) or number."""
+    name = text.strip().upper()
+    if name.isdigit():
+        return int(name)
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise argparse.ArgumentTypeError(f"not a logging level: {text!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL "
+                                         "or a number)")
+    return level
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from .errors import RolloutError
 
-    _run(run_demo(engine=args.engine, num_workers=args.workers, num_requests=args.requests,
-                  max_tokens=args.max_tokens, model=args.model, update_weights=not args.no_update))
-    return 0
+    try:
+        summary = _run(run_demo(engine=args.engine, num_workers=args.workers, num_requests=args.requests,
+                                max_tokens=args.max_tokens, model=args.model, update_weights=not args.no_update))
+    except KeyboardInterrupt:
+        print("rollfleet demo: interrupted", file=sys.stderr)
+        return 130
+    except (RolloutError, ValueError, OSError) as exc:  # a fleet that cannot start, a bad model directory
+        print(f"rollfleet demo: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
+    # Exit 1 when a rollout or the weight update failed (the aborted request is the demo's own).
+    return 0 if summary.get("failed") == "0" and summary.get("weight update") != "failed" else 1
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .actors.client import RemoteClient
 
-    keys = None
-    if args.keys_dir:
-        from .transport.auth import load_client_keys
-
-        keys = load_client_keys(args.keys_dir)
-
     async def go() -> dict[str, Any]:
+        keys = None
+        if args.keys_dir:
+            from .transport.auth import load_client_keys
+
+            keys = load_client_keys(args.keys_dir)
         async with RemoteClient(args.address, call_timeout_s=args.timeout, curve_keys=keys) as client:
             return await client.stats()
 
@@ -48,7 +95,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     try:
         stats = _run(go())
-    except (RolloutError, zmq.ZMQError, OSError) as exc:  # no fleet there, keys refused, a bad address
+    except (RolloutError, zmq.ZMQError, OSError, ValueError) as exc:  # no fleet there, bad keys, a bad address
         print(f"rollfleet stats: {args.address}: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -72,10 +119,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_keys(args: argparse.Namespace) -> int:
     from .transport.auth import make_keys
 
+    if os.path.exists(args.directory) and not os.path.isdir(args.directory):
+        print(f"rollfleet keys: {args.directory} is not a directory", file=sys.stderr)
+        return 1
     try:
         paths = make_keys(args.directory, overwrite=args.force)
     except FileExistsError as exc:
         print(f"rollfleet keys: {exc}; pass --force to replace them", file=sys.stderr)
+        return 1
+    except OSError as exc:  # not writable, a path that cannot be made
+        print(f"rollfleet keys: {exc}", file=sys.stderr)
         return 1
     print(f"server keys: {paths['server_secret']} (keep private), {paths['server_public']} (give to clients)")
     print(f"client keys: {paths['client_secret']} (for one client), authorized public keys in {paths['authorized']}/")
@@ -90,29 +143,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollfleet", description="Run LLM rollout engines for RL training, without Ray.")
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING).")
+    parser.add_argument("--log-level", default=logging.WARNING, type=log_level,
+                        help="Logging level of rollfleet's messages on stderr: DEBUG, INFO, WARNING, ERROR, "
+                             "CRITICAL (any case) or a number (default WARNING).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="Run a demo: a fleet, a batch of rollouts, an abort, a weight update, a summary.")
     demo.add_argument("--engine", default="torch", choices=["torch", "vllm", "echo"],
                       help="Engine of the workers (default torch, on CPU; vllm needs the vllm extra).")
-    demo.add_argument("--workers", type=int, default=2, help="Number of worker processes (default 2).")
-    demo.add_argument("--requests", type=int, default=64, help="Number of rollouts (default 64).")
-    demo.add_argument("--max-tokens", type=int, default=96, help="Tokens per rollout (default 96).")
-    demo.add_argument("--model", default=None, help="Local model directory (default: a tiny built-in random Llama).")
+    demo.add_argument("--workers", type=at_least(1), default=2, help="Number of worker processes (default 2).")
+    demo.add_argument("--requests", type=at_least(1), default=64, help="Number of rollouts (default 64).")
+    demo.add_argument("--max-tokens", type=at_least(1), default=96, help="Tokens per rollout (default 96).")
+    demo.add_argument("--model", default=None,
+                      help="Local model directory for torch and vllm (default: a tiny built-in random Llama); "
+                           "echo takes none.")
     demo.add_argument("--no-update", action="store_true", help="Skip the weight update in the middle of the batch.")
     demo.set_defaults(func=_cmd_demo)
 
     stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).")
     stats.add_argument("address", help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555.")
     stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")
-    stats.add_argument("--timeout", type=float, default=10.0, help="Seconds to wait for the answer (default 10).")
+    stats.add_argument("--timeout", type=positive_float, default=10.0,
+                       help="Seconds to wait for the answer (default 10).")
     stats.add_argument("--keys-dir", default=None, metavar="DIR",
                        help="CurveZMQ keys (from `rollfleet keys`) when the fleet requires them.")
     stats.set_defaults(func=_cmd_stats)
 
     keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
-    keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/.")
+    keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/: "
+                                        "a directory of their own, created if missing and made private (mode 0700).")
     keys.add_argument("--force", action="store_true",
                       help="Replace keys already in DIRECTORY (clients given the old keys are then refused). "
                            "Default: refuse and exit 1.")
@@ -130,9 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("rollfleet").setLevel(args.log_level.upper())
+    """Run the command line; returns the exit code (0 done, 1 failed, 2 bad options)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo" and args.engine == "echo" and args.model is not None:
+        parser.error("demo: the echo engine takes no --model")
+    if args.command == "demo" and args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"demo: --model {args.model}: not a directory")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rollfleet").setLevel(args.log_level)
     return int(args.func(args) or 0)
 
 

@@ -113,23 +113,28 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
             await client.abort(to_abort)
 
         new_weights = _same_weights(engine, seed) if update_weights else []
+        update = ["skipped" if not update_weights else "not done"]
 
         async def update_midway() -> None:
             # Once the running requests are a third of the way through, push weights (same
             # values, version 1): they are interrupted and resume with their partial output.
             while True:
                 running = [e for e in fleet.table if e.inner_id is not None]
-                if not running and len(results) == num_requests:
+                if not running and all(t.done() for t in tasks):  # failed ones included
                     break
                 if running and sum(len(e.token_ids) for e in running) >= len(running) * max_tokens // 3:
                     break
                 await asyncio.sleep(0.002)
+            running = sum(1 for e in fleet.table if e.inner_id is not None)
             try:
                 report = await client.update_weights(new_weights, version=1)
-                print(f"pushed weights version 1 ({report.bytes} bytes, {report.seconds * 1e3:.0f} ms) "
-                      "while requests were running", flush=True)
+                update[0] = "version 1"
+                tqdm.write(f"pushed weights version 1 ({report.bytes} bytes, {report.seconds * 1e3:.0f} ms) "
+                           + (f"while {running} requests were running" if running else "after the requests ended"),
+                           file=sys.stdout)
             except RolloutError as exc:
-                print(f"weight update failed: {exc}", flush=True)
+                update[0] = "failed"
+                tqdm.write(f"weight update failed: {exc}", file=sys.stdout)
 
         side = [asyncio.create_task(abort_one())]
         if update_weights:
@@ -140,13 +145,13 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
                     results.append(await fut)
                 except RolloutError as exc:
                     errors += 1
-                    print(f"request failed: {exc}", flush=True)
+                    tqdm.write(f"request failed: {exc}", file=sys.stdout)
                 bar.update(1)
         for t in side:
             await t
         elapsed = time.monotonic() - t0
         stats = await fleet.stats(engines=False)
-    rows = summarize(results, errors, elapsed, stats)
+    rows = summarize(results, errors, elapsed, stats) + [("weight update", update[0])]
     _print_table(rows)
     print("fleet shut down cleanly", flush=True)
     return dict(rows)

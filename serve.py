@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from typing import Any
 
-__all__ = ["add_arguments", "serve", "engine_options"]
+__all__ = ["add_arguments", "serve", "engine_options", "check_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,26 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before a fleet starts (a slow engine start is long to wait for a
+    typo); raises ValueError with the message to print."""
+    bind = args.bind.strip()
+    scheme, sep, rest = bind.partition("://")
+    if not sep or scheme not in ("tcp", "ipc") or not rest:
+        raise ValueError(f"--bind takes tcp://HOST:PORT or ipc://PATH, got {args.bind!r}")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port == "*" or port.isdigit() and int(port) <= 65535):
+            raise ValueError(f"--bind {args.bind}: expected tcp://HOST:PORT with a port in 0..65535")
+    for flag, value in (("--keys-dir", args.keys_dir), ("--model", args.model)):
+        if value is not None and not os.path.isdir(value):
+            raise ValueError(f"{flag} {value}: not a directory")
+    if args.ready_file:
+        parent = os.path.dirname(os.path.abspath(args.ready_file))
+        if os.path.isdir(args.ready_file) or not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--ready-file {args.ready_file}: cannot write a file there")
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the fleet until SIGINT/SIGTERM. Returns the exit code: 0 after a signal,
     1 if the fleet failed to start, 2 on bad options."""
@@ -101,6 +122,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     model_dir: str | None = None
     try:
+        check_args(args)
         options = engine_options(args)
         devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
         if args.engine in ("vllm", "sglang") and "model" not in options:
@@ -142,7 +164,11 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.ready_file:
-            _write_atomic(args.ready_file, address + "\n")
+            try:
+                _write_atomic(args.ready_file, address + "\n")
+            except OSError as exc:
+                print(f"rollfleet serve: --ready-file: {exc}", file=sys.stderr)
+                return 1
             wrote_ready = True
         print(f"rollfleet serving on {address}", flush=True)
         logger.info("serving %d %s workers on %s", args.workers, args.engine, address)
@@ -164,9 +190,14 @@ async def serve(args: argparse.Namespace) -> int:
 def _write_atomic(path: str, text: str) -> None:
     # A reader polling for the file never sees it half written.
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _remove_dir(path: str | None) -> None:

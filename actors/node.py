@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -45,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from ..cli import log_level
 from .config import RestartPolicy
 from .handle import RestartTracker
 from .process import WorkerProcess, device_env, sampling_seed
@@ -358,14 +360,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the store and admission")
     parser.add_argument("--supervisor-timeout", type=float, default=30.0,
                         help="stop when the supervisor's beat in the store stands still this long (default 30)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=logging.INFO, type=log_level,
+                        help="DEBUG, INFO, WARNING, ERROR, CRITICAL (any case) or a number (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
+    # Checked before the store is reached, which may take --timeout to fail.
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.timeout <= 0 or args.supervisor_timeout <= 0:
+        parser.error("--timeout and --supervisor-timeout must be > 0")
+    try:
+        options = json.loads(args.engine_options) if args.engine_options else None
+    except json.JSONDecodeError as exc:
+        parser.error(f"--engine-options is not JSON: {exc}")
+    if options is not None and not isinstance(options, dict):
+        parser.error("--engine-options must be a JSON object")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
-    options = json.loads(args.engine_options) if args.engine_options else None
-    agent = NodeAgent(connect_store(args.store, args.timeout), engine=args.engine, engine_options=options,
-                      num_workers=args.workers, devices=devices, prefix=args.prefix, name=args.name,
-                      supervisor_timeout_s=args.supervisor_timeout)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
+    try:
+        store = connect_store(args.store, args.timeout)
+        agent = NodeAgent(store, engine=args.engine, engine_options=options, num_workers=args.workers,
+                          devices=devices, prefix=args.prefix, name=args.name,
+                          supervisor_timeout_s=args.supervisor_timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except Exception as exc:  # the store cannot be reached (torch's DistNetworkError, OSError, ...)
+        print(f"rollfleet node: {args.store}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

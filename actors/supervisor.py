@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -64,7 +65,7 @@ from ..transport.messages import (
     check_control_args,
 )
 from ..transport.aio import LoopSocket
-from ..transport.sockets import SocketOptions, make_socket
+from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket
 from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
@@ -127,6 +128,7 @@ class Supervisor:
         self._ctx: zmq.Context | None = None
         self._wsock: Any = None
         self._fsock: Any = None
+        self._frontend_file: tuple[str, int] | None = None  # an ipc:// frontend's socket file, inode
         self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -190,6 +192,8 @@ class Supervisor:
                                zap_domain=auth.WORKER_DOMAIN if server_keys and tcp_workers else None)
             self._wsock = LoopSocket(sock, self._on_worker_frames, on_post_error=self._on_post_error)
             self.worker_address = sock.LAST_ENDPOINT.decode()
+            if cfg.frontend_addr and ipc_in_use(cfg.frontend_addr):
+                raise OSError(errno.EADDRINUSE, f"{cfg.frontend_addr} is served by another process")
             if cfg.frontend_addr:
                 client_opts = SocketOptions(max_message_bytes=cfg.max_message_bytes, hwm=cfg.client_send_hwm)
                 sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=client_opts,
@@ -197,6 +201,9 @@ class Supervisor:
                                    zap_domain=auth.CLIENT_DOMAIN if server_keys else None)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames, on_post_error=self._on_client_gone)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
+                path = ipc_path(self.frontend_address)
+                if path is not None:  # removed at shutdown if it is still this fleet's file
+                    self._frontend_file = (path, os.stat(path).st_ino)
             if cfg.metrics_port is not None:
                 self._metrics = MetricsExporter(cfg.metrics_port)
             self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]
@@ -266,7 +273,12 @@ class Supervisor:
     async def _wait_registered(self, handles: list[WorkerHandle]) -> None:
         timeout = self.config.start_timeout_s
         try:
-            await asyncio.wait_for(asyncio.gather(*(h.registered for h in handles)), timeout)
+            gathered = asyncio.gather(*(h.registered for h in handles))
+            try:
+                await asyncio.wait_for(gathered, timeout)
+            finally:
+                if gathered.done() and not gathered.cancelled():
+                    gathered.exception()  # read, so a failure nobody waits for is not logged as lost
         except asyncio.TimeoutError:
             late = [h for h in handles if not h.registered.done() or h.registered.cancelled()]
             h = late[0] if late else handles[0]
@@ -328,6 +340,11 @@ class Supervisor:
                 self._metrics.close()
             if self._ctx is not None:
                 self._ctx.term()
+            if self._frontend_file is not None:
+                path, inode = self._frontend_file
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_ino == inode:
+                        os.unlink(path)
             if self.private_dir:
                 sweep_shm_lists(self.private_dir, everything=True)
                 shutil.rmtree(self.private_dir, ignore_errors=True)
@@ -507,7 +524,9 @@ class Supervisor:
         handle = self.workers.get((identity or b"").decode("utf-8", "replace"))
         if handle is None:
             return
-        self._drops.log("worker_send_failed", logging.WARNING, "could not send to worker %s: %s", handle.worker_id, exc)
+        # While the fleet shuts down, a worker that left first (a signal to the whole group) is expected.
+        self._drops.log("worker_send_failed", logging.DEBUG if self._closing else logging.WARNING,
+                        "could not send to worker %s: %s", handle.worker_id, exc)
         if isinstance(handle.proc, RemoteProcess) and exc.errno == zmq.EHOSTUNREACH:
             # Its connection is gone: the monitor loop takes the death path, which resumes
             # or fails what was sent to it.

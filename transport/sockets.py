@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["SocketOptions", "make_socket"]
+__all__ = ["SocketOptions", "make_socket", "ipc_path", "ipc_in_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +77,27 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def ipc_path(addr: str) -> str | None:
+    """The socket file of an ``ipc://`` address; None for other schemes and abstract names."""
+    if not addr.startswith("ipc://") or addr.startswith("ipc://@"):
+        return None
+    return addr[len("ipc://"):]
+
+
+def ipc_in_use(addr: str) -> bool:
+    """Whether a live process serves the socket file of an ``ipc://`` address. ZeroMQ binds over
+    a file that exists, taking the address from whoever served it: check first. A file nobody
+    answers on (left by a process that died) is not in use."""
+    path = ipc_path(addr)
+    if path is None or not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

@@ -1,0 +1,116 @@
+"""The command line as a user meets it: bad options are one line and exit 2, failures one line
+and exit 1, and `rollfleet serve` on an ipc:// address neither takes it from a live fleet nor
+leaves its socket file behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "rollfleet"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args", [
+    ("demo", "--requests", "-3"),
+    ("demo", "--workers", "0"),
+    ("demo", "--max-tokens", "x"),
+    ("demo", "--engine", "echo", "--model", "/tmp"),
+    ("--log-level", "bogus", "keys", "/nonexistent/k"),
+    ("stats", "tcp://127.0.0.1:1", "--timeout", "0"),
+    ("serve", "--engine", "echo", "--bind", "tcp://127.0.0.1:99999"),
+    ("serve", "--engine", "echo", "--bind", ""),
+    ("serve", "--engine", "echo", "--bind", "127.0.0.1:5556"),
+    ("serve", "--engine", "echo", "--keys-dir", "/nonexistent"),
+    ("serve", "--model", "/nonexistent"),
+    ("serve", "--engine", "echo", "--ready-file", "/nonexistent/dir/ready"),
+])
+def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
+    out = run(*args)
+    assert out.returncode == 2, (args, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
+    assert len(lines) == 1, out.stderr
+
+
+def test_log_level_takes_any_case_and_numbers():
+    for level in ("info", "DEBUG", "10"):
+        out = run("--log-level", level, "stats", "tcp://127.0.0.1:1", "--timeout", "0.2")
+        assert out.returncode == 1 and "Traceback" not in out.stderr  # no fleet there: one line, exit 1
+
+
+def test_keys_where_none_can_be_written_is_one_line_exit_1(tmp_path):
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for target in (str(a_file), "/proc/nokeys"):
+        out = run("keys", target, "--force")
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.count("\n") == 1 and "--force" not in out.stderr, out.stderr
+
+
+def test_stats_with_missing_keys_is_one_line_exit_1():
+    out = run("stats", "tcp://127.0.0.1:1", "--timeout", "0.2", "--keys-dir", "/nonexistent")
+    assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+
+
+def wait_file(path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return open(path).read().strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_path):
+    sock = tmp_path / "front.sock"
+    ready = tmp_path / "ready"
+    first = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--bind", f"ipc://{sock}", "--ready-file", str(ready)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_file(ready) == f"ipc://{sock}"
+        second = run("serve", "--engine", "echo", "--bind", f"ipc://{sock}")
+        assert second.returncode == 1 and "served by another process" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+        stats = run("stats", f"ipc://{sock}", "--json")
+        assert stats.returncode == 0, stats.stderr  # the first fleet still answers there
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        assert not sock.exists() and not ready.exists()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def test_python_dash_m_rollfleet_is_the_command():
+    out = run("--help")
+    assert out.returncode == 0 and "serve" in out.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--store", "bogus"),
+    ("--store", "127.0.0.1:1", "--engine-options", "{bad"),
+    ("--store", "127.0.0.1:1", "--workers", "0"),
+    ("--store", "127.0.0.1:1", "--log-level", "nope"),
+])
+def test_node_agent_checks_its_options_before_reaching_the_store(args):
+    out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", *args], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("python -m rollfleet.actors.node: error:")
+
+
+def test_node_agent_without_a_store_is_one_line_exit_1():
+    out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", "--store", "127.0.0.1:1", "--timeout", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("rollfleet node: 127.0.0.1:1: ")
