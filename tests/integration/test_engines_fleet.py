@@ -360,9 +360,16 @@ async def interrupted_by_updates(sup: Supervisor, new_state: dict, request_id: s
                 return item
 
     task = asyncio.create_task(run())
+    seen = 0
     for k in range(times):
-        await wait_tokens(sup, request_id, 20 * (k + 1))
+        # 20 tokens more than when the last update returned: made under that update's version
+        # (counting from before the update instead, a busy machine could let the next update
+        # land before the resumed request made a token, and that segment would have no entry).
+        await wait_tokens(sup, request_id, seen + 20)
         await client.update_weights(list(new_state.items()), version=first + k + 1)
+        entry = sup.table.get("local", request_id)
+        assert entry is not None, f"{request_id} finished during update {k + 1}"
+        seen = len(entry.token_ids)
     return await asyncio.wait_for(task, 120), first
 
 
