@@ -251,7 +251,7 @@ class NodeAgent:
         options.setdefault("private_dir", self.private_dir)
         options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
         worker_id = f"{self.node_id}/w{index}-{self._trackers[index].total}"
-        options["sampling_seed"] = sampling_seed(options.get("seed"), worker_id)
+        options["sampling_seed"] = sampling_seed(options.get("sampling_seed", options.get("seed")), worker_id)
         env = dict(self.worker_env)
         env.update(device_env(device))
         self.procs[index] = WorkerProcess(

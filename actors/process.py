@@ -30,9 +30,10 @@ def sampling_seed(base: Any, worker_id: str) -> int:
     """The seed of a worker's draws for requests that bring no seed of their own, in [0, 2**31).
 
     Worker ids name a slot and its restart count, so no two workers of a fleet (nor a worker
-    and the one that replaced it) draw the same samples. From the engine option ``seed`` when
-    set, so a fleet started the same way draws the same way (fleets of different ranks should
-    then be given different seeds); else from the OS's randomness.
+    and the one that replaced it) draw the same samples. ``base`` is the engine option
+    ``sampling_seed``, else ``seed``: with one, a fleet started the same way draws the same way
+    (fleets of different ranks should then be given different ``sampling_seed``s); with
+    neither, the OS's randomness.
     """
     if base is None:
         return int.from_bytes(os.urandom(4), "little") >> 1

@@ -225,7 +225,9 @@ class Supervisor:
         engine_options = dict(cfg.engine_options)
         engine_options.setdefault("private_dir", self.private_dir)
         engine_options.setdefault("device", "cuda" if device.startswith("cuda") else device.split(":")[0])
-        engine_options["sampling_seed"] = sampling_seed(engine_options.get("seed"), worker_id)
+        # The base of each worker's own seed: sampling_seed when given (e.g. one per rank), else seed.
+        engine_options["sampling_seed"] = sampling_seed(engine_options.get("sampling_seed", engine_options.get("seed")),
+                                                        worker_id)
         env = dict(cfg.worker_env)
         env.update(device_env(device))
         if cfg.engine == "vllm" and device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in {**os.environ, **env}:
@@ -433,6 +435,8 @@ class Supervisor:
             try:
                 await self._wait_registered([handle])
             except WorkerStartError as exc:
+                if self._closing:  # the shutdown stopped it: not a failure to report
+                    return
                 logger.error("restart of worker slot %d failed: %s", index, exc)
                 self._on_worker_dead(handle, str(exc))
                 # It died before it was ready, so its death did not schedule a restart; the

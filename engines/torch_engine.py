@@ -14,8 +14,8 @@ say how likely the model itself found the token, whatever the sampling settings.
 Options: ``model`` (a local directory; unset builds the tiny random Llama of ``tiny.py``
 in memory, so a demo needs no download), ``device`` ("cpu"), ``dtype`` ("float32"),
 ``max_batch_size`` (32), ``seed`` (0; the tiny model's seed), ``sampling_seed`` (the source of
-seeds for requests without one; default ``seed``: a fleet sets it per worker, see
-``actors.process.sampling_seed``), ``attn_implementation`` ("sdpa"), ``num_threads`` (torch intra-op
+seeds for requests without one; default ``seed``; a fleet passes each worker one of its own,
+derived from this option or ``seed``: see ``actors.process.sampling_seed``), ``attn_implementation`` ("sdpa"), ``num_threads`` (torch intra-op
 threads, process-wide; default 1 on the CPU, torch's own choice on a GPU).
 
 Why 1 thread on the CPU by default: on a 2-core machine, the tiny model decoded ~30x

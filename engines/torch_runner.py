@@ -311,11 +311,15 @@ class Runner:
             target = params.get(name)
             if target is None:
                 unknown.append(name)
-            elif tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+            elif tuple(tensor.shape) != tuple(target.shape) or (
+                    tensor.dtype != target.dtype and not (tensor.dtype.is_floating_point
+                                                          and target.dtype.is_floating_point)):
+                # A float of another width is cast, as vLLM's loaders do (fp32 master weights into a
+                # bf16 engine); a shape, or an int/bool where a float is wanted, is an error.
                 got, want = (tuple(tensor.shape), tensor.dtype), (tuple(target.shape), target.dtype)
                 bad.append(f"{name}: got {got[0]} {got[1]}, want {want[0]} {want[1]}")
             elif isinstance(tensor, RemoteTensor):
-                if target.device.type == "cpu" and target.data.is_contiguous():
+                if tensor.dtype == target.dtype and target.device.type == "cpu" and target.data.is_contiguous():
                     remote.append((tensor, target.data))
                 else:
                     target.data.copy_(tensor.read())

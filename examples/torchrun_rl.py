@@ -1,6 +1,7 @@
 """RL loop under torchrun: every rank owns a small policy and its own engine worker (hybrid mode).
 
     torchrun --nproc_per_node=2 examples/torchrun_rl.py --steps 3
+    python examples/torchrun_rl.py --steps 3      # one rank, no torchrun
 
 Each step: wake the engine, generate rollouts, put the engine to sleep, take a real
 policy-gradient step (REINFORCE on the generated tokens' log-probs, gradients averaged
@@ -38,7 +39,9 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    distributed = "MASTER_ADDR" in os.environ  # started by torchrun
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 
     # The same initial policy on every rank and in every engine: the tiny model of seed 0.
@@ -50,7 +53,9 @@ def main() -> None:
         engine="torch",
         num_workers=1,
         devices=[f"cuda:{local_rank}" if cuda else "cpu"],
-        engine_options={"seed": 0},
+        # seed 0 picks the tiny model's weights (the same on every rank); sampling_seed keeps the
+        # ranks' draws apart (each rank's fleet derives one per worker from it).
+        engine_options={"seed": 0, "sampling_seed": 1000 + rank},
         frontend_addr=None,
     ))
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -58,8 +63,9 @@ def main() -> None:
         for step in range(1, args.steps + 1):
             fleet.wake_up()
             prompts = [[1] + torch.randint(3, 500, (6,), generator=gen).tolist() for _ in range(args.batch)]
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=step * 100 + rank,
-                                    ignore_eos=True)
+            # No per-request seed: one seed for a whole batch would give a group of samples of one
+            # prompt (GRPO) the same tokens; each request draws from its worker's own source.
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
             results = fleet.generate_batch(prompts, params)
             fleet.sleep()
 
@@ -77,7 +83,7 @@ def main() -> None:
                 loss = loss - adv * chosen / len(results)
             loss.backward()
             for p in policy.parameters():  # average gradients across ranks
-                if p.grad is not None:
+                if p.grad is not None and distributed:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                     p.grad /= world
             optim.step()
@@ -92,7 +98,8 @@ def main() -> None:
         print(f"rank {rank} done: final weight versions {final.weight_versions}", flush=True)
     finally:
         fleet.shutdown()
-        dist.destroy_process_group()
+        if distributed:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -313,8 +313,12 @@ async def test_load_weights_rejects_bad_names_shapes_and_dtypes(fresh):
         await fresh.load_weights([("model.no_such.weight", torch.zeros(2))])
     with pytest.raises(ValueError, match="lm_head.weight"):
         await fresh.load_weights([("lm_head.weight", torch.zeros(3, 3))])
-    with pytest.raises(ValueError, match="bfloat16"):
-        await fresh.load_weights([("lm_head.weight", torch.zeros(512, 128, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="int64"):  # not a float: no cast
+        await fresh.load_weights([("lm_head.weight", torch.zeros(512, 128, dtype=torch.int64))])
+    # A float of another width is cast, as vLLM's loaders do (fp32 master weights, bf16 engine).
+    head = torch.randn(512, 128).bfloat16()
+    await fresh.load_weights([("lm_head.weight", head)])
+    assert torch.equal(fresh.model.lm_head.weight, head.float())
     # The engine still serves afterwards.
     assert len((await collect(fresh, "w-ok", [1, 5], GREEDY))[0]) == 32
 

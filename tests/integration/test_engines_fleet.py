@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rollfleet.actors import FleetConfig, Supervisor  # noqa: E402
-from rollfleet.engines.tiny import build_tiny_llama  # noqa: E402
+from rollfleet.engines.tiny import build_tiny_llama, tiny_llama_model  # noqa: E402
 from rollfleet.errors import InvalidRequest, Unsupported, WeightUpdateError  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
@@ -230,6 +230,33 @@ async def refuses_bad_prompts_and_serves_on(sup: Supervisor, hf, max_len: int, t
     r = await client.generate(f"{tag}-good", PROMPTS[0], greedy())
     assert r.token_ids == hf_greedy(hf, PROMPTS[0])
     assert all(w["restarts"] == 0 for w in (await sup.stats())["workers"])
+
+
+async def test_fleets_given_different_sampling_seeds_draw_apart_and_equal_ones_alike():
+    # seed picks the tiny model (the same weights on every rank); sampling_seed, e.g. one per
+    # rank, is the base of each worker's own draws: it is not overwritten by the fleet.
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    draws = []
+    for base in (7, 7, 8):
+        cfg = FleetConfig(engine="torch", num_workers=1, engine_options={"seed": 0, "sampling_seed": base},
+                          frontend_addr=None)
+        async with Supervisor(cfg) as sup:
+            draws.append((await sup.client().generate("d", PROMPTS[0], params)).token_ids)
+    assert draws[0] == draws[1] != draws[2]
+
+
+async def test_an_update_in_another_float_width_is_cast_like_vllms_loaders_do():
+    # bf16 tensors into the fp32 torch engine, over shm (read in place, then cast).
+    new = tiny_llama_model(seed=1)
+    cfg = FleetConfig(engine="torch", num_workers=1, engine_options={"seed": 0}, frontend_addr=None)
+    async with Supervisor(cfg) as sup:
+        report = await sup.client().update_weights(((n, p.detach().bfloat16()) for n, p in new.named_parameters()),
+                                                   version=1)
+        assert report.version == 1
+        r = await sup.client().generate("cast", PROMPTS[0], greedy())
+    for p in new.parameters():
+        p.data = p.data.bfloat16().float()
+    assert r.token_ids == hf_greedy(new, PROMPTS[0]) and r.weight_versions == [1]
 
 
 async def test_torch_fleet_refuses_prompts_the_model_cannot_take(torch_fleet, hf):
