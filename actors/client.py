@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from ..errors import DuplicateRequest, FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
 from ..transport import codec
@@ -279,6 +280,11 @@ class LLMClient(_Base):
         return await self.supervisor.update_weights(named_tensors, version, **kwargs)
 
 
+# Watched on a RemoteClient's socket from before it connects: a connection is up once its
+# handshake succeeded, and lost at a disconnect.
+_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
 class RemoteClient(_Base):
     """Async client of a fleet's frontend socket, from any process.
 
@@ -287,6 +293,10 @@ class RemoteClient(_Base):
     Before its first request it says ``hello`` with ``batch``: under load its requests then go
     out, and their answers come back, several to a frame (a fleet that does not know ``hello``
     answers with an error, and every message goes alone as before).
+
+    When the connection to the fleet is lost (the fleet shut down or was killed), the calls
+    waiting for an answer end at once with FleetClosed: the fleet answers a connection, and a
+    reconnection is a new one. Later calls go to whatever serves the address then.
 
     A client belongs to the event loop it is first used on: a call from another loop (another
     thread, a second ``asyncio.run``) raises RuntimeError before anything is sent. Make one
@@ -307,8 +317,11 @@ class RemoteClient(_Base):
         # the codec's 16 MiB default for untrusted input).
         self._max_bytes = options.max_message_bytes
         self._sock = make_socket(self._ctx, zmq.DEALER, address, bind=False, options=options,
-                                 curve_client_keys=curve_keys)
+                                 curve_client_keys=curve_keys, monitor_events=_CONNECTION_EVENTS)
+        self._monitor_sock = self._sock.get_monitor_socket(_CONNECTION_EVENTS)  # the one make_socket made
         self._lsock: LoopSocket | None = None  # made on first use, on the caller's event loop
+        self._monitor: LoopSocket | None = None  # the socket's disconnect events, made with _lsock
+        self._up = False  # a connection to the fleet is up (its handshake succeeded)
         self._sinks: dict[str, Any] = {}
         self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -331,6 +344,11 @@ class RemoteClient(_Base):
         self._closed = True
         if self._hello is not None and not self._hello.done():
             self._hello.cancel()
+        self._sock.disable_monitor()
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        else:
+            self._monitor_sock.close(linger=0)
         if self._lsock is not None:
             self._lsock.close(linger=0)
         else:
@@ -349,7 +367,32 @@ class RemoteClient(_Base):
             raise FleetClosed("client is closed")
         if self._lsock is None:
             self._lsock = LoopSocket(self._sock, self._on_frames)
+            self._monitor = LoopSocket(self._monitor_sock, self._on_connection_event)
         return self._lsock
+
+    def _on_connection_event(self, frames: list[bytes]) -> None:
+        # The fleet answers a connection by its routing id, which a reconnection does not keep:
+        # what was asked before can never be answered (the fleet went away, or was killed), so
+        # it fails now instead of at its timeout. ZeroMQ reconnects by itself for later calls.
+        # A connection refused at its handshake (keys not admitted) was never up: no answer comes
+        # to it, as PROTOCOL.md says, and its calls end at their timeouts.
+        event = zmq_monitor.parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up = True
+            return
+        if event != zmq.EVENT_DISCONNECTED or not self._up:
+            return
+        self._up = False
+        logger.warning("lost the connection to the fleet at %s", self.address)
+        message = f"lost the connection to the fleet at {self.address}: its answer can no longer come"
+        self._hello, self._batch = None, False  # a fleet there later may be a new one: hello again
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(Error(id=request_id, code=FleetClosed.code, message=message, request_id=request_id))
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(FleetClosed(message))
 
     def _on_frames(self, frames: list[bytes]) -> None:
         # (header,) -- further frames are ignored

@@ -39,12 +39,15 @@ def make_socket(
     curve_server_keys: tuple[bytes, bytes] | None = None,
     curve_client_keys: tuple[bytes, bytes, bytes] | None = None,
     zap_domain: str | None = None,
+    monitor_events: int = 0,
 ) -> Any:
     """Create, configure and bind/connect a socket.
 
     ``curve_server_keys`` is (public, secret) for a binding socket that requires CurveZMQ;
     ``curve_client_keys`` is (public, secret, server_public) for a connecting one.
     ``zap_domain`` selects which key set the authenticator checks for this socket.
+    ``monitor_events``: watch these connection events from before the bind/connect, so none is
+    missed; ``sock.get_monitor_socket()`` then gives the PAIR socket they arrive on.
     Returns the socket; for ``tcp://host:0`` the bound port is in ``sock.LAST_ENDPOINT``.
     """
     opts = options or SocketOptions()
@@ -69,6 +72,8 @@ def make_socket(
             sock.setsockopt(zmq.CURVE_PUBLICKEY, curve_client_keys[0])
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve_client_keys[1])
             sock.setsockopt(zmq.CURVE_SERVERKEY, curve_client_keys[2])
+        if monitor_events:
+            sock.get_monitor_socket(monitor_events)  # pyzmq keeps it: later calls return this one
         if bind:
             sock.bind(addr)
         else:

@@ -6,7 +6,10 @@ PROTOCOL.md, and RemoteClient."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -19,6 +22,8 @@ from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import FleetClosed
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, Hello, SamplingParams
+
+from ..helpers import wait_for
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -303,3 +308,26 @@ async def test_closing_a_remote_client_ends_its_waiting_calls_with_fleet_closed(
         assert sorted(e.request_id for e in sup.table) == ["long0", "long1", "long2", "s"]
         for entry in list(sup.table):
             assert sup.abort(entry.origin, entry.request_id)
+
+
+async def test_remote_calls_in_flight_end_with_fleet_closed_when_the_fleet_is_killed(tmp_path):
+    # A SIGKILLed fleet sends no error: the client hears the disconnect and ends what waits on
+    # it (it waited for request_timeout_s, an hour by default).
+    ready = tmp_path / "ready"
+    serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--tokens-per-s", "20",
+                              "--bind", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, TMPDIR=str(tmp_path)))
+    try:
+        assert await wait_for(ready.exists, 60)
+        address = ready.read_text().strip()
+        async with RemoteClient(address) as client:
+            assert (await client.generate("warm", [1], SamplingParams(max_tokens=1))).token_ids
+            waiting = asyncio.create_task(client.generate("long", [1], SamplingParams(max_tokens=1000)))
+            await asyncio.sleep(0.2)
+            serve.kill()
+            with pytest.raises(FleetClosed, match="lost the connection"):
+                await asyncio.wait_for(waiting, 10)
+    finally:
+        serve.kill()
+        serve.wait()
