@@ -352,6 +352,21 @@ class Supervisor:
                 shutil.rmtree(self.private_dir, ignore_errors=True)
             self._closed = True
 
+    def abandon(self) -> None:
+        """Last resort, from another thread, when this fleet's loop cannot run ``shutdown``
+        (blocked, e.g. in a trainer's weight generator that never yields): kill every worker's
+        process tree and remove the private directory and the shared memory it lists. Touches
+        no asyncio state; the fleet is unusable afterwards."""
+        self._closing = True
+        for handle in list(self.workers.values()):
+            if isinstance(handle.proc, WorkerProcess):
+                with contextlib.suppress(Exception):
+                    handle.proc.kill()
+                    handle.proc.close()
+        if self.private_dir:
+            sweep_shm_lists(self.private_dir, everything=True)
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
     @property
     def metrics_address(self) -> str | None:
         """URL of the Prometheus endpoint (``FleetConfig.metrics_port``), or None."""

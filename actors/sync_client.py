@@ -16,7 +16,9 @@ import asyncio
 import atexit
 import concurrent.futures
 import itertools
+import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +30,8 @@ from .result import GenerationResult
 from .supervisor import Supervisor
 
 __all__ = ["SyncClient"]
+
+logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
 
@@ -69,13 +73,22 @@ class SyncClient:
             coro.close()
             raise FleetClosed("SyncClient is shut down")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            from ..errors import RequestTimeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # In slices: a fleet torn down from another thread while its loop was blocked
+            # (shutdown's last resort) never completes what it was running.
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            try:
+                return fut.result(max(0.0, left))
+            except concurrent.futures.TimeoutError:
+                if self._closed:
+                    fut.cancel()
+                    raise FleetClosed("SyncClient was shut down while this call ran") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    fut.cancel()
+                    from ..errors import RequestTimeout
 
-            raise RequestTimeout(f"no answer within {timeout}s") from None
+                    raise RequestTimeout(f"no answer within {timeout}s") from None
 
     def __enter__(self) -> "SyncClient":
         return self
@@ -168,16 +181,31 @@ class SyncClient:
         return self.supervisor.frontend_address
 
     def shutdown(self) -> None:
-        """Stop the fleet and the loop thread. Idempotent."""
+        """Stop the fleet and the loop thread. Idempotent. When the fleet's loop does not respond
+        within 5 s (blocked in user code, e.g. a weight generator stuck in a collective), its
+        workers are killed and its directory removed from the calling thread; calls still waiting
+        in other threads end with FleetClosed."""
         if self._closed:
             return
+        blocked = False
         try:
             if self._loop.is_running() and not self.supervisor.closed:
-                asyncio.run_coroutine_threadsafe(self.supervisor.shutdown(), self._loop).result(60)
+                # A loop blocked in user code (a weight generator stuck in a collective, say,
+                # when Ctrl-C came) could not run the shutdown: after a short look, the fleet is
+                # torn down from here instead of after a long wait.
+                probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop)
+                try:
+                    probe.result(5)
+                    asyncio.run_coroutine_threadsafe(self.supervisor.shutdown(), self._loop).result(60)
+                except concurrent.futures.TimeoutError:
+                    logger.error("the fleet's event loop does not respond (blocked in a weight generator?): "
+                                 "killing its workers from this thread")
+                    self.supervisor.abandon()
+                    blocked = True
         finally:
             self._closed = True
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+            self._thread.join(0.5 if blocked else 10)  # a blocked loop thread (a daemon) is left
             if not self._thread.is_alive():
                 self._loop.close()
             atexit_fn = getattr(self, "_atexit", None)

@@ -1,7 +1,9 @@
 import concurrent.futures
 import subprocess
+import os
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -74,3 +76,30 @@ def test_fleet_is_shut_down_at_interpreter_exit():
     import os
 
     assert not os.path.exists(fields[0])
+
+
+def test_shutdown_with_the_loop_blocked_in_a_weight_generator_kills_the_workers_promptly(tmp_path):
+    # Ctrl-C while update_weights pulls a generator that blocks (a collective that never
+    # completes): the loop cannot run a shutdown, so the workers are killed from this thread
+    # (it waited 60 s, then left the private directory behind).
+    fleet = SyncClient(FleetConfig(engine="echo", num_workers=2, private_dir_root=str(tmp_path)))
+    pids = [h.pid for h in fleet.supervisor.workers.values()]
+    private_dir = fleet.supervisor.private_dir
+    release = threading.Event()
+
+    def stuck():
+        yield "offset", torch.tensor([0])
+        release.wait(60)  # the loop thread is held here
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        update = pool.submit(fleet.update_weights, stuck(), 1)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        fleet.shutdown()
+        took = time.monotonic() - t0
+        with pytest.raises(FleetClosed):
+            update.result(30)
+        release.set()
+    assert took < 30
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    assert not os.path.exists(private_dir)
