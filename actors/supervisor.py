@@ -462,6 +462,11 @@ class Supervisor:
         task = asyncio.create_task(restart(), name=f"rollfleet-restart-{index}")
         self._tasks.append(task)
 
+    def restarting(self) -> bool:
+        """Whether a worker is starting or a restart of one is scheduled."""
+        return any(h.state is WorkerState.STARTING for h in self.workers.values()) or any(
+            not t.done() and t.get_name().startswith("rollfleet-restart-") for t in self._tasks)
+
     async def _monitor_loop(self) -> None:
         """Hung workers (missed heartbeats) are killed; the exit path handles the rest."""
         interval = self.config.heartbeat_interval_s

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +114,16 @@ class WeightSync:
         logger.error("worker %s: %s; restarting it", handle.worker_id, reason)
         self.sup._on_worker_dead(handle, reason)
 
+    async def _wait_for_a_ready_worker(self) -> None:
+        """With no worker ready but some restarting (e.g. right after a failed first update
+        restarted them), wait for one, up to ``start_timeout_s``: an update is not refused for
+        a restart in progress. Outside the lock, which a restarted worker's catch-up takes."""
+        sup = self.sup
+        deadline = time.monotonic() + sup.config.start_timeout_s
+        while (not sup.closed and time.monotonic() < deadline and sup.restarting()
+               and not any(h.state is WorkerState.READY for h in sup.workers.values())):
+            await asyncio.sleep(0.02)
+
     # ------------------------------------------------------------------ update
     async def update(
         self,
@@ -134,6 +145,7 @@ class WeightSync:
         # Bad arguments fail here, before any request is interrupted.
         check_version(version)
         sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
+        await self._wait_for_a_ready_worker()
         async with self._lock:
             if lora is not None:
                 lacking = [h.worker_id for h in sup.workers.values()
@@ -178,6 +190,15 @@ class WeightSync:
                         self._spare, self._last = self._last, keep
                     else:  # a callable, or nothing kept: an older copy would restore a wrong version
                         self._spare = self._last = None
+                    # A worker that registered while this update ran was not among its links: it
+                    # holds the version before, and is caught up here, before any request reaches it.
+                    updated = {h.worker_id for h in links}
+                    for h in [h for h in sup.workers.values()
+                              if h.state is WorkerState.READY and h.worker_id not in updated]:
+                        try:
+                            await self._catch_up_locked(h)
+                        except Exception as exc:
+                            self._restart(h, f"could not be brought to weight version {version}: {exc}")
                 self.last_report = report
                 self.num_updates += 1
                 return report

@@ -146,6 +146,22 @@ async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_we
             assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [0]
 
 
+async def test_an_update_right_after_a_failed_first_one_waits_for_the_restarted_workers():
+    # The failed first update restarts the workers; a retry at once is not refused with "no
+    # ready worker" while they start again: it waits for them and lands.
+    async with fleet(2) as sup:
+        client = sup.client()
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(offset(5) + [("fail", torch.zeros(32))], version=1, bucket_bytes=64)
+        assert not sup.ready_workers()  # both restarting
+        report = await client.update_weights(offset(5), version=1)
+        assert report.version == 1 and sup.weight_version == 1
+        r = await client.generate("after", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=5) and r.weight_versions == [1]
+        assert await wait_for(lambda: len(sup.ready_workers()) == 2, 15.0)
+        assert {h.weight_version for h in sup.ready_workers()} == {1}  # the later one caught up
+
+
 async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weights_and_says_so():
     async with fleet(1, tokens_per_s=0, keep_last_weights=False) as sup:
         client = sup.client()
