@@ -311,7 +311,10 @@ class RemoteClient(_Base):
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
-        self._ctx = zmq.Context()
+        # The process's shared context, not one of its own: a client dropped without close()
+        # is collected with its sockets in one cycle, and a context finalized before its sockets
+        # close would block the collector forever in term().
+        self._ctx = zmq.Context.instance()
         options = SocketOptions()
         # The fleet's answers are read up to the size the socket takes (a long result can pass
         # the codec's 16 MiB default for untrusted input).
@@ -353,7 +356,6 @@ class RemoteClient(_Base):
             self._lsock.close(linger=0)
         else:
             self._sock.close(linger=0)
-        self._ctx.term()
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             sink(Error(id=request_id, code=FleetClosed.code, message="client closed", request_id=request_id))
@@ -383,7 +385,7 @@ class RemoteClient(_Base):
         if event != zmq.EVENT_DISCONNECTED or not self._up:
             return
         self._up = False
-        logger.warning("lost the connection to the fleet at %s", self.address)
+        logger.info("lost the connection to the fleet at %s", self.address)
         message = f"lost the connection to the fleet at {self.address}: its answer can no longer come"
         self._hello, self._batch = None, False  # a fleet there later may be a new one: hello again
         sinks, self._sinks = self._sinks, {}

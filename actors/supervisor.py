@@ -333,24 +333,34 @@ class Supervisor:
                     await task
                 except BaseException:
                     pass
-            for lsock in (self._wsock, self._fsock):
-                if lsock is not None:
-                    lsock.close(linger=0)
-            if self._auth is not None:
-                self._auth.stop()
-            if self._metrics is not None:
-                self._metrics.close()
-            if self._ctx is not None:
-                self._ctx.term()
-            if self._frontend_file is not None:
-                path, inode = self._frontend_file
-                with contextlib.suppress(OSError):
-                    if os.stat(path).st_ino == inode:
-                        os.unlink(path)
-            if self.private_dir:
-                sweep_shm_lists(self.private_dir, everything=True)
-                shutil.rmtree(self.private_dir, ignore_errors=True)
-            self._closed = True
+            self.release()
+
+    def release(self) -> None:
+        """Close the sockets, the authenticator, the metrics endpoint and the ZeroMQ context,
+        and remove the frontend's socket file and the private directory. Idempotent; on the
+        fleet's loop (the end of ``shutdown``, or queued there by a SyncClient that abandoned it)."""
+        for lsock in (self._wsock, self._fsock):
+            if lsock is not None:
+                lsock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._frontend_file is not None:
+            path, inode = self._frontend_file
+            self._frontend_file = None
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+        if self.private_dir:
+            sweep_shm_lists(self.private_dir, everything=True)
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+        self._closed = True
 
     def abandon(self) -> None:
         """Last resort, from another thread, when this fleet's loop cannot run ``shutdown``

@@ -201,6 +201,8 @@ class SyncClient:
                     logger.error("the fleet's event loop does not respond (blocked in a weight generator?): "
                                  "killing its workers from this thread")
                     self.supervisor.abandon()
+                    # Its sockets close on its own thread, if that thread ever runs again.
+                    self._loop.call_soon_threadsafe(self.supervisor.release)
                     blocked = True
         finally:
             self._closed = True
