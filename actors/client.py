@@ -433,10 +433,13 @@ class RemoteClient(_Base):
 
     def _post(self, encoded: bytes) -> None:
         sock = self._socket()
-        if self._batch:
-            sock.post(None, encoded)
-        else:
-            sock.send([encoded])
+        try:
+            if self._batch:
+                sock.post(None, encoded)
+            else:
+                sock.send([encoded])
+        except zmq.ZMQError as exc:  # EAGAIN: no connection to queue it on (one refused at its handshake)
+            raise FleetClosed(f"cannot send to the fleet at {self.address}: {exc}") from exc
 
     async def _say_hello(self) -> None:
         try:
@@ -472,13 +475,18 @@ class RemoteClient(_Base):
         if request_id in self._sinks:
             raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
         self._sinks[request_id] = sink
-        # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
-        self._post(codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume))
+        try:
+            # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
+            self._post(codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume))
+        except FleetClosed:
+            self._sinks.pop(request_id, None)
+            raise
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and not self._closed:
             # fire and forget: the request is gone for this caller either way
-            self._post(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
+            with contextlib.suppress(FleetClosed):
+                self._post(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))
 
     async def _call(self, msg: Message) -> dict[str, Any]:
         self._on_own_loop()

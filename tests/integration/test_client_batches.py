@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 
 import msgpack
 import pytest
@@ -331,3 +332,25 @@ async def test_remote_calls_in_flight_end_with_fleet_closed_when_the_fleet_is_ki
     finally:
         serve.kill()
         serve.wait()
+
+
+def test_a_remote_client_dropped_without_close_does_not_hang_the_collector(tmp_path):
+    # Collected in one cycle with its sockets, a context of its own blocked gc in term().
+    script = tmp_path / "drop.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio, gc
+        from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            async with Supervisor(FleetConfig(engine="echo", num_workers=1)) as sup:
+                client = RemoteClient(sup.frontend_address)
+                await client.generate("a", [1], SamplingParams(max_tokens=2))  # never closed
+
+        asyncio.run(main())
+        gc.collect()
+        print("collected")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert out.returncode == 0 and "collected" in out.stdout, out.stderr[-2000:]

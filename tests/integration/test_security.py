@@ -10,7 +10,7 @@ import zmq
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.cli import main as cli_main
-from rollfleet.errors import RequestTimeout
+from rollfleet.errors import FleetClosed, RequestTimeout
 from rollfleet.transport.auth import is_loopback_address, load_client_keys, make_keys
 from rollfleet.transport.messages import SamplingParams
 
@@ -58,12 +58,17 @@ async def test_curve_fleet_serves_authorized_clients_only(tmp_path):
         async with RemoteClient(address, curve_keys=load_client_keys(keys_dir)) as ok:
             result = await ok.generate("r", [1, 2], SamplingParams(max_tokens=3))
             assert len(result.token_ids) == 3
+        # Refused at the handshake: no answer comes (the call times out), or, when the refusal
+        # has already dropped the connection, the message cannot be queued (FleetClosed).
         async with RemoteClient(address, curve_keys=load_client_keys(str(tmp_path / "other")),
                                 call_timeout_s=1.0) as bad:
-            with pytest.raises(RequestTimeout):
+            with pytest.raises((RequestTimeout, FleetClosed)):
                 await bad.stats()
         async with RemoteClient(address, call_timeout_s=1.0) as plain:
-            with pytest.raises(RequestTimeout):
+            with pytest.raises((RequestTimeout, FleetClosed)):
+                await plain.stats()
+            await asyncio.sleep(0.3)  # refused by now
+            with pytest.raises((RequestTimeout, FleetClosed)):
                 await plain.stats()
 
 
