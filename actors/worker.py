@@ -51,7 +51,7 @@ from ..transport.messages import (
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
-from .process import CONFIG_ENV, kill_tree
+from .process import CONFIG_ENV, is_resource_tracker, kill_tree, sweep_shm_lists
 
 __all__ = ["EngineWorker", "main"]
 
@@ -597,7 +597,9 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     _DEATH_LOCK.acquire()
     print(f"rollfleet worker {config.get('worker_id')}: supervisor gone ({why}); exiting", file=sys.stderr)
     _going(f"its {'node agent' if config.get('node') else 'supervisor'} is gone ({why})")
-    kill_tree(os.getpid(), signal.SIGKILL, include_parent=False)
+    # Resource trackers are spared: once this process is gone too they unlink what the engine's
+    # processes registered (semaphores, shared memory) and exit by themselves.
+    kill_tree(os.getpid(), signal.SIGKILL, include_parent=False, spare=is_resource_tracker)
     for cleanup in _PARENT_DEATH_CLEANUPS:
         try:
             cleanup()
@@ -606,6 +608,9 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     _unlink_segments_of(int(config.get("parent_pid", 0)))
     private_dir = config.get("private_dir")
     if private_dir:
+        # What the engines' own processes shared (vLLM's message queues), as their lists in the
+        # private directory name it: the supervisor that would sweep them is gone.
+        sweep_shm_lists(private_dir, everything=True)
         shutil.rmtree(private_dir, ignore_errors=True)
     os._exit(1)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -380,3 +382,52 @@ async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_go
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_path):
+    # vLLM's own processes share memory (message queues, semaphores) that only a clean engine
+    # shutdown unlinks; with the supervisor gone, the worker sweeps what its engine listed and
+    # spares the resource tracker that unlinks the rest (both were left in /dev/shm).
+    pytest.importorskip("vllm")
+    from rollfleet.actors.process import SHM_PREFIXES
+
+    def shm() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+
+    script = tmp_path / "fleet.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.engines.tiny import build_tiny_llama
+
+        async def main():
+            path = build_tiny_llama({str(tmp_path / "model")!r})
+            config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240,
+                                 engine_options={{"model": path}})
+            async with Supervisor(config) as sup:
+                print("ready", flush=True)
+                await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """))
+    (tmp_path / "model").mkdir()
+    before = shm()
+    short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=short))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert shm() - before  # the engine shares memory while it runs
+        proc.send_signal(signal.SIGTERM)  # the supervisor's process alone, not its group
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while shm() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not shm() - before
+        assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(short, ignore_errors=True)
