@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                         help="Option passed to the engine adapter; repeatable. VALUE is decoded as JSON "
                              "(8, 0.5, true, \"text\", [1,2]); a VALUE that is not JSON is taken as a string. "
-                             "Example: --engine-option max_model_len=1024.")
+                             "Example: --engine-option max_model_len=1024. An option the engine does not take is "
+                             "refused with the list of those it does.")
     parser.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
                         help="echo only: tokens per second per request (default: as fast as possible).")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
@@ -119,11 +120,13 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the fleet until SIGINT/SIGTERM. Returns the exit code: 0 after a signal,
     1 if the fleet failed to start, 2 on bad options."""
     from .actors import FleetConfig, Supervisor
+    from .engines import check_engine_options
 
     model_dir: str | None = None
     try:
         check_args(args)
         options = engine_options(args)
+        check_engine_options(args.engine, options)  # before a model is built for it
         devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
         if args.engine in ("vllm", "sglang") and "model" not in options:
             from .engines.tiny import build_tiny_llama

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines import ENGINE_NAMES
+from ..engines import ENGINE_NAMES, check_engine_options
 from ..transport.auth import check_bind
 
 __all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS", "MODES"]
@@ -133,6 +133,7 @@ class FleetConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
+        check_engine_options(self.engine, self.engine_options)
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.devices is not None and len(self.devices) != self.num_workers:

@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 
 from ..cli import log_level
+from ..engines import check_engine_options
 from .config import RestartPolicy
 from .handle import RestartTracker
 from .process import WorkerProcess, device_env, sampling_seed
@@ -173,6 +174,8 @@ class NodeAgent:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if devices is not None and len(devices) != num_workers:
             raise ValueError(f"devices has {len(devices)} entries for {num_workers} workers")
+        if engine is not None:
+            check_engine_options(engine, engine_options)
         name = name or socket.gethostname()
         if "/" in name or not name:
             raise ValueError(f"a node name must be non-empty and without '/', got {name!r}")
@@ -374,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine-options is not JSON: {exc}")
     if options is not None and not isinstance(options, dict):
         parser.error("--engine-options must be a JSON object")
+    if args.engine is not None:
+        try:
+            check_engine_options(args.engine, options)
+        except ValueError as exc:
+            parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
     try:

@@ -32,6 +32,8 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--keys-dir", "/nonexistent"),
     ("serve", "--model", "/nonexistent"),
     ("serve", "--engine", "echo", "--ready-file", "/nonexistent/dir/ready"),
+    ("serve", "--engine", "echo", "--engine-option", "tokens_per_sec=5"),
+    ("serve", "--engine", "vllm", "--engine-option", "max_len=64"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     out = run(*args)
@@ -101,6 +103,8 @@ def test_python_dash_m_rollfleet_is_the_command():
     ("--store", "127.0.0.1:1", "--engine-options", "{bad"),
     ("--store", "127.0.0.1:1", "--workers", "0"),
     ("--store", "127.0.0.1:1", "--log-level", "nope"),
+    ("--store", "127.0.0.1:1", "--engine", "torch", "--engine-options", '{"max_batchsize": 4}'),
+    ("--store", "127.0.0.1:1", "--engine", "tensorrt"),
 ])
 def test_node_agent_checks_its_options_before_reaching_the_store(args):
     out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", *args], capture_output=True, text=True,

@@ -1,0 +1,48 @@
+"""Engine options are checked before any worker starts: a misspelt one is refused with the
+list of those the engine takes, and every option an adapter reads is on that list."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from rollfleet.actors import FleetConfig
+from rollfleet.engines import ENGINE_NAMES, ENGINE_OPTIONS, check_engine_options
+
+ENGINES_DIR = pathlib.Path(__file__).resolve().parents[2] / "engines"
+MODULES = {"echo": "echo.py", "torch": "torch_engine.py", "vllm": "vllm_engine.py", "sglang": "sglang_engine.py"}
+
+
+def test_a_misspelt_option_is_refused_by_the_config_naming_it_and_the_right_one():
+    with pytest.raises(ValueError) as info:
+        FleetConfig(engine="torch", engine_options={"max_batchsize": 4})
+    text = str(info.value)
+    assert "'max_batchsize'" in text and "max_batch_size" in text and "torch" in text
+
+
+def test_engines_that_pass_arguments_through_point_to_extra():
+    for name in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match="extra"):
+            check_engine_options(name, {"enable_prefix_caching": True})
+    with pytest.raises(ValueError) as info:
+        check_engine_options("echo", {"bogus": 1})
+    assert "extra" not in str(info.value)
+
+
+def test_an_unknown_engine_is_refused():
+    with pytest.raises(ValueError, match="unknown engine 'tensorrt'"):
+        check_engine_options("tensorrt", {})
+
+
+@pytest.mark.parametrize("name", ENGINE_NAMES)
+def test_every_option_an_adapter_reads_is_accepted(name):
+    source = (ENGINES_DIR / MODULES[name]).read_text()
+    read = set(re.findall(r"(?:options|opts)(?:\.get\(|\[)\"([a-z_]+)\"", source))
+    # the vLLM adapter copies a few straight into vLLM's arguments
+    for group in re.findall(r"for key in \(([^)]*)\):", source):
+        read |= set(re.findall(r"\"([a-z_]+)\"", group))
+    assert read, f"no option reads found in {MODULES[name]}"
+    assert read <= ENGINE_OPTIONS[name], read - ENGINE_OPTIONS[name]
+    check_engine_options(name, dict.fromkeys(ENGINE_OPTIONS[name], None))  # all of them together pass
