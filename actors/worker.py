@@ -393,7 +393,8 @@ class EngineWorker:
                 await self.engine.sleep(args.get("level", 1))
             elif op == "start_profile":
                 trace_dir = args["trace_dir"]
-                os.makedirs(trace_dir, exist_ok=True)
+                if "profile" in self.engine.capabilities():  # else start_profile raises Unsupported: no directory
+                    os.makedirs(trace_dir, exist_ok=True)
                 await self.engine.start_profile(trace_dir)
             else:
                 await getattr(self.engine, op)()

@@ -276,19 +276,21 @@ def _from_header(header: dict[str, Any], accept: frozenset[str] | None = None) -
             return msg
     # Anything else goes the field-by-field way, which names the field at fault.
     values: dict[str, Any] = {"id": msg_id}
+    answer_id = "" if cls is Batch else msg_id  # a batch's own id is ignored, even in an error about it
     for name, types, contents, required in spec.fields:
         value = header.get(name, _MISSING)
         if value is _MISSING:
             if required:
-                raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", msg_id)
+                raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", answer_id)
             continue
         # An empty container (or None) has no contents to check.
         if type(value) not in types:
             raise DecodeError(
-                "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", msg_id
+                "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", answer_id
             )
         if contents is not None and value and not contents(value):
-            raise DecodeError("bad_field", f"{type_tag}: field '{name}' holds an element of the wrong type", msg_id)
+            raise DecodeError("bad_field", f"{type_tag}: field '{name}' holds an element of the wrong type",
+                              answer_id)
         values[name] = value
     return _build(spec, values, type_tag, msg_id)
 

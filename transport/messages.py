@@ -188,8 +188,10 @@ class SamplingParams:
             value = data.get(name, _MISSING)
             if value is _MISSING:
                 continue
-            if type(value) not in types or (contents is not None and value and not contents(value)):
+            if type(value) not in types:
                 raise ValueError(f"sampling.{name}: wrong type {type(value).__name__}")
+            if contents is not None and value and not contents(value):
+                raise ValueError(f"sampling.{name}: holds an element of the wrong type")
             values[name] = value
         return cls(**values)
 

@@ -405,7 +405,7 @@ async def test_remote_client_over_the_frontend_socket():
             assert stats["num_workers"] == 2 and len(stats["workers"]) == 2
 
 
-async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
+async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving(tmp_path):
     async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
         client = sup.client()
         running = asyncio.create_task(client.generate("keep", [4], SamplingParams(max_tokens=30)))
@@ -438,6 +438,12 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
                 ([msgpack.packb({**sleep, "id": "13", "args": {"level": 3}})], "bad_field", "13"),
                 ([msgpack.packb({**sleep, "id": "14", "args": {"level": True}})], "bad_field", "14"),
                 ([msgpack.packb({"v": 1, "type": "control", "id": "15", "op": "start_profile"})], "bad_field", "15"),
+                # a batch that cannot be read is refused whole; a batch's own id is ignored
+                ([msgpack.packb({"v": 1, "type": "batch", "id": "16"})], "bad_field", ""),
+                ([msgpack.packb({"v": 1, "type": "batch", "id": "17", "messages": "x"})], "bad_field", ""),
+                # an engine without profiling: refused, and the trace directory is not made
+                ([msgpack.packb({"v": 1, "type": "control", "id": "18", "op": "start_profile",
+                                 "args": {"trace_dir": str(tmp_path / "trace")}})], "unsupported", "18"),
             ]
             for frames, code, msg_id in cases:
                 await sock.send_multipart(frames)
@@ -448,6 +454,7 @@ async def test_frontend_answers_bad_input_with_typed_errors_and_keeps_serving():
             ctx.term()
         assert (await running).token_ids == expected_tokens([4], 30)
         assert sup.counters["completed"] == 1  # "keep" alone: none of the bad requests ran
+        assert not (tmp_path / "trace").exists()
 
 
 async def test_logprobs_asked_for_come_as_a_list_even_without_tokens():

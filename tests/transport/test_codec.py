@@ -219,11 +219,15 @@ def test_a_bad_message_in_a_batch_costs_the_others_nothing():
     assert [e.msg_id for e in errors] == ["w0-0:9", "old", None, "u", ""]
 
 
-def test_a_batch_whose_messages_field_is_not_a_list_is_rejected():
-    raw = msgpack.packb({"v": 1, "type": "batch", "id": "", "messages": {"a": 1}})
+@pytest.mark.parametrize("messages", [{"a": 1}, "x", None])
+def test_a_batch_whose_messages_field_is_bad_is_rejected_whole_under_the_empty_id(messages):
+    # a batch's own id is ignored (PROTOCOL.md 3, 4.3), even in an error about the batch itself
+    fields = {"v": 1, "type": "batch", "id": "B1"}
+    if messages is not None:
+        fields["messages"] = messages
     with pytest.raises(codec.DecodeError) as err:
-        codec.decode([raw])
-    assert err.value.code == "bad_field"
+        codec.decode([msgpack.packb(fields)])
+    assert (err.value.code, err.value.msg_id) == ("bad_field", "")
 
 
 # ------------------------------------------------------------------------------ fast paths
@@ -243,4 +247,12 @@ def test_a_list_with_an_element_of_the_wrong_type_is_named_as_such():
         codec.decode([raw])
     raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": "ab"})
     with pytest.raises(codec.DecodeError, match="field 'prompt_ids' has wrong type str"):
+        codec.decode([raw])
+    # the same words for a list inside the sampling map
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [1],
+                         "sampling": {"stop_token_ids": [1, "x"]}})
+    with pytest.raises(codec.DecodeError, match="sampling.stop_token_ids: holds an element of the wrong type"):
+        codec.decode([raw])
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [1], "sampling": {"stop_token_ids": 3}})
+    with pytest.raises(codec.DecodeError, match="sampling.stop_token_ids: wrong type int"):
         codec.decode([raw])
