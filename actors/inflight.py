@@ -41,6 +41,8 @@ class Entry:
     state: State = State.PENDING
     inner_id: str | None = None
     worker_id: str | None = None
+    last_worker: str = ""
+    """The worker it was last dispatched to, kept after it leaves it: the result's ``worker``."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     segment_start: int = 0
@@ -92,7 +94,7 @@ class InflightTable:
         self._next_inner += 1
         inner = f"{self._next_inner:x}"
         entry.inner_id = inner
-        entry.worker_id = worker_id
+        entry.worker_id = entry.last_worker = worker_id
         entry.state = State.RUNNING
         entry.segment_start = len(entry.token_ids)
         entry.segment_version = None

@@ -23,6 +23,7 @@ class GenerationResult:
     num_preemptions: int = 0
     """How often it was interrupted (weight update, dead worker) to be resumed."""
     worker: str = ""
+    """The worker it ran on last (after a resume, the one it was resumed on); "" if none."""
     timings: dict[str, float] = field(default_factory=dict)
 
     @property

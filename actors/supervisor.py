@@ -752,7 +752,7 @@ class Supervisor:
             self._pump()
             return entry
         # Nothing waits: what _pump would do for this one entry, without the queue.
-        worker_id = self.router.choose(session_id or request_id)
+        worker_id = self.router.choose(request_id if session_id is None else session_id)
         if worker_id is None:
             self._pending.append(entry)
         else:
@@ -766,7 +766,7 @@ class Supervisor:
             if entry.state is not State.PENDING or self.table.get(entry.origin, entry.request_id) is not entry:
                 self._pending.popleft()  # finished while waiting
                 continue
-            worker_id = self.router.choose(entry.session_id or entry.request_id)
+            worker_id = self.router.choose(entry.request_id if entry.session_id is None else entry.session_id)
             if worker_id is None:
                 return
             self._pending.popleft()
@@ -888,7 +888,7 @@ class Supervisor:
             self._per_origin.pop(entry.origin, None)
 
     def _complete(self, entry: Entry, finish_reason: str, worker: str = "") -> None:
-        worker = worker or entry.worker_id or ""
+        worker = worker or entry.last_worker
         self._finish(entry)
         self.counters["aborted" if finish_reason == _ABORT else "completed"] += 1
         now = time.monotonic()

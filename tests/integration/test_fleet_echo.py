@@ -101,6 +101,21 @@ async def test_abort_one_of_many_leaves_others_untouched():
         assert len(sup.table) == 0
 
 
+@pytest.mark.parametrize("session", ["", "s"])
+async def test_a_session_stays_on_one_worker_the_empty_name_too(session):
+    async with fleet(2, engine_options={"tokens_per_s": 200}) as sup:
+        client = sup.client()
+        params = SamplingParams(max_tokens=20)
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], params, session_id=session)) for i in range(8)]
+        # all 8 in flight at once: least-loaded routing alone would split them 4/4
+        assert await wait_for(lambda: sum(e.worker_id is not None for e in sup.table) == 8)
+        assert len({e.worker_id for e in sup.table}) == 1
+        assert len({(await t).worker for t in tasks}) == 1
+        # without a session they spread
+        tasks = [asyncio.create_task(client.generate(f"n{i}", [i + 1], params)) for i in range(8)]
+        assert len({(await t).worker for t in tasks}) == 2
+
+
 async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_other_clients_untouched():
     # 2 workers that run 2 requests at once each: of 8 requests some run, some wait in the
     # fleet; both kinds are aborted. A RemoteClient's requests are another client's.

@@ -90,7 +90,26 @@ async def test_worker_sigkill_resumes_its_requests_on_a_healthy_worker():
             r = await t
             assert r.token_ids == expected_tokens([i + 1], 60)
             assert r.num_preemptions == (1 if f"r{i}" in moved else 0)
+            if f"r{i}" in moved:  # finished on the worker it was resumed on
+                assert r.worker == sup.slots[1].worker_id
         assert await wait_for(lambda: len(sup.ready_workers()) == 2, 10.0)
+
+
+async def test_a_request_aborted_while_it_waits_to_resume_names_the_worker_it_ran_on():
+    # one worker, restarted 2 s after its death: the request waits for it, then is aborted
+    from rollfleet.actors import RestartPolicy
+
+    async with fleet(1, tokens_per_s=100, restart=RestartPolicy(backoff_s=2.0)) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [5], SamplingParams(max_tokens=500)))
+        assert await wait_for(lambda: len(getattr(sup.table.get("local", "r"), "token_ids", [])) >= 5)
+        victim = sup.slots[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.table.get("local", "r").worker_id is None)
+        assert await client.abort("r")
+        r = await task
+        assert r.finish_reason == "abort" and r.num_preemptions == 1 and len(r.token_ids) >= 5
+        assert r.worker == victim.worker_id and r.weight_versions == [0]
 
 
 async def test_resume_attempts_are_bounded():
