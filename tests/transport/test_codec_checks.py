@@ -116,7 +116,8 @@ def test_random_headers_decode_to_checked_messages_or_a_typed_error(tag, data):
     try:
         msg = codec.decode([msgpack.packb(header)])
     except codec.DecodeError as exc:
-        assert exc.code == "bad_field" and exc.msg_id == "x"
+        # a batch's own id is ignored, even in an error about the batch itself
+        assert exc.code == "bad_field" and exc.msg_id == ("" if tag == "batch" else "x")
         return
     for name, annotation in _annotations(cls).items():
         if name in header:
