@@ -64,11 +64,17 @@ def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> Sampling
 def _prompt(prompt_ids: Any) -> list[int]:
     # Either path copies it (the supervisor into its table, RemoteClient into a message)
     # before the caller gets control back; only a non-list needs turning into one. Its
-    # elements are checked where it is decoded (a worker, or the frontend), not per call here.
+    # elements are checked by the supervisor (in-process) or when it is encoded (RemoteClient).
     if type(prompt_ids) is list:
         return prompt_ids
     if isinstance(prompt_ids, (str, bytes)):
         raise InvalidRequest(f"prompt_ids must be token ids (ints), not {type(prompt_ids).__name__}", code="bad_field")
+    tolist = getattr(prompt_ids, "tolist", None)
+    if callable(tolist):  # a torch tensor or a numpy array: its tolist() gives Python ints
+        prompt_ids = tolist()
+        if type(prompt_ids) is not list:
+            raise InvalidRequest("prompt_ids must be one-dimensional", code="bad_field")
+        return prompt_ids
     return list(prompt_ids)
 
 
@@ -474,10 +480,15 @@ class RemoteClient(_Base):
     def _start(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
         if request_id in self._sinks:
             raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
-        self._sinks[request_id] = sink
         try:
             # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
-            self._post(codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume))
+            header = codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume)
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. numpy ints in a list: nothing is registered
+            raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
+                                 code="bad_field", request_id=request_id) from None
+        self._sinks[request_id] = sink
+        try:
+            self._post(header)
         except FleetClosed:
             self._sinks.pop(request_id, None)
             raise

@@ -32,6 +32,7 @@ import zmq
 
 from ..errors import (
     FleetClosed,
+    FleetError,
     InvalidRequest,
     Overloaded,
     ResumeExhausted,
@@ -146,6 +147,8 @@ class Supervisor:
         self._drops = LogLimiter(logger)  # bad or foreign frames: counted, logged sparingly
         self._stall_seen: dict[str, tuple[int, float]] = {}  # inner id -> (tokens, unchanged since)
         self._engines_held = False  # a pause/sleep control op is in force: no token is expected
+        self._ready = False  # start() finished: every worker registered once
+        self._no_workers: str | None = None  # why no worker is left and none will come back
         self._metrics: MetricsExporter | None = None
 
     # ================================================================== lifecycle
@@ -214,6 +217,7 @@ class Supervisor:
         except BaseException:
             await self.shutdown()
             raise
+        self._ready = True
         logger.info("fleet of %d %s workers ready in %s", cfg.num_workers, cfg.engine, self.private_dir)
 
     def _spawn(self, index: int) -> WorkerHandle:
@@ -439,6 +443,7 @@ class Supervisor:
         if not self.closed and was_ready and not isinstance(handle.proc, RemoteProcess):
             self._schedule_restart(handle.index)  # remote workers are restarted by their node agent
         self._pump()
+        self._check_workers_left()
 
     def _schedule_restart(self, index: int) -> None:
         policy = self.config.restart
@@ -468,9 +473,25 @@ class Supervisor:
                 # policy's window still bounds a worker that can never start.
                 if not self.closed:
                     self._schedule_restart(index)
+                    # once this task is done: the restart it was is no hope of a worker any more
+                    asyncio.get_running_loop().call_soon(self._check_workers_left)
 
         task = asyncio.create_task(restart(), name=f"rollfleet-restart-{index}")
         self._tasks.append(task)
+
+    def _check_workers_left(self) -> None:
+        """With every worker dead and none to be restarted (the restart policy gave up on each
+        slot, or there is none), nothing would ever serve a waiting request: those end with
+        FleetError, and new ones are refused with it."""
+        if (not self._ready or self.closed or self._no_workers or self.workers or self.restarting()
+                or self.config.accept_remote_workers):  # a node agent may still bring one
+            return
+        last = "; ".join(f"{h.worker_id}: {h.last_error}" for _, h in sorted(self.slots.items()))
+        self._no_workers = f"no worker is left and none will be restarted ({last})"
+        logger.error("%s; requests fail until the fleet is started again", self._no_workers)
+        self._pending.clear()
+        for entry in self.table:
+            self._fail(entry, FleetError(self._no_workers, request_id=entry.request_id))
 
     def restarting(self) -> bool:
         """Whether a worker is starting or a restart of one is scheduled."""
@@ -727,6 +748,8 @@ class Supervisor:
         Raises FleetClosed, DuplicateRequest, Overloaded, InvalidRequest.
         """
         self._check_open()
+        if self._no_workers:
+            raise FleetError(self._no_workers, request_id=request_id)
         if not request_id:
             raise InvalidRequest("generate: the request id must not be empty (it names the request in every answer)",
                                  code="bad_field")
@@ -734,10 +757,15 @@ class Supervisor:
         if count >= self.config.max_inflight_per_client:
             raise Overloaded(f"{count} requests in flight for this client (max_inflight_per_client)",
                              request_id=request_id)
+        if not owned:
+            prompt_ids = list(prompt_ids)
+            if list(map(type, prompt_ids)).count(int) != len(prompt_ids):  # msgpack takes Python ints, not numpy's
+                raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints (a tensor's or "
+                                     f"array's tolist() gives them)", code="bad_field", request_id=request_id)
         entry = Entry(
             origin=origin,
             request_id=request_id,
-            prompt_ids=prompt_ids if owned else list(prompt_ids),
+            prompt_ids=prompt_ids,
             # a private deep copy: callers' objects are never mutated
             params=params if owned else params.replace(),
             sink=sink,
@@ -782,8 +810,15 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
-        # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
-        header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
+        try:
+            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
+            header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
+        except (TypeError, ValueError, OverflowError) as exc:  # submit checked the prompt: a last guard
+            self.router.on_finish(handle.worker_id)
+            self.table.unbind(entry)
+            self._fail(entry, InvalidRequest(f"generate {entry.request_id!r} cannot be encoded: {exc}",
+                                             code="bad_field", request_id=entry.request_id))
+            return
         try:
             self._send_encoded(handle, header)
         except zmq.ZMQError:  # (unbatched workers only) it vanished between choose() and send

@@ -108,7 +108,9 @@ class SyncClient:
         """Generate for every prompt concurrently; results in prompt order.
 
         With ``return_exceptions`` a failed request's slot holds its RolloutError instead of
-        raising the first one.
+        raising the first one. Without it, the first failure is raised once the batch's other
+        requests are cancelled (stopped on their workers; their partial output is dropped),
+        as they are when the call is given up (``timeout``, shutdown).
         """
         if request_ids is None:
             request_ids = [f"{self._prefix}{next(self._counter)}" for _ in prompts]
@@ -116,11 +118,14 @@ class SyncClient:
             raise ValueError("request_ids and prompts differ in length")
 
         async def batch() -> list[Any]:
-            return await asyncio.gather(
-                *(self.client.generate(rid, p, sampling_params, timeout=timeout, **kwargs)
-                  for rid, p in zip(request_ids, prompts)),
-                return_exceptions=return_exceptions,
-            )
+            tasks = [asyncio.ensure_future(self.client.generate(rid, p, sampling_params, timeout=timeout, **kwargs))
+                     for rid, p in zip(request_ids, prompts)]
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+            finally:
+                for task in tasks:
+                    task.cancel()  # those still running: none is left behind unawaited
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         return self._call(batch())
 

@@ -142,6 +142,20 @@ class SamplingParams:
     """Return the log-probability of each chosen token."""
 
     def __post_init__(self) -> None:
+        if type(self.stop_token_ids) is tuple:
+            _set(self, "stop_token_ids", list(self.stop_token_ids))
+        # The wire's types (PROTOCOL.md 4.1): what a decoded map has already been checked for.
+        for name, types, contents in _SAMPLING_SPEC:
+            value = getattr(self, name)
+            if type(value) not in types:
+                hint = " (True returns each chosen token's log-probability, as vLLM's logprobs=0)" \
+                    if name == "logprobs" else ""
+                raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {value!r}{hint}")
+            if contents is not None and value and not contents(value):
+                raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {value!r}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
         if not 0 <= self.max_tokens <= _INT64_MAX:
             raise ValueError(f"max_tokens must be >= 0 (and fit in 64 bits), got {self.max_tokens}")
         if not 0 <= self.temperature < math.inf:  # NaN fails this too
@@ -181,7 +195,7 @@ class SamplingParams:
             params = _new(SamplingParams)
             for set_field, value in zip(_SAMPLING_SETTERS, found):
                 set_field(params, value)
-            params.__post_init__()
+            params._check_ranges()  # the types were checked above
             return params
         values: dict[str, Any] = {}
         for name, types, contents in _SAMPLING_SPEC:
@@ -288,6 +302,9 @@ _SAMPLING_SPEC = tuple((f.name, *WIRE_TYPES[str(f.type)]) for f in fields(Sampli
 # which only seed accepts, and its default is None.
 _SAMPLING_KINDS = frozenset(itertools.product(*(types for _, types, _ in _SAMPLING_SPEC)))
 _STOP = _SAMPLING_FIELDS.index("stop_token_ids")
+_TYPE_NAMES = {"max_tokens": "an int", "temperature": "a number", "top_p": "a number", "top_k": "an int",
+               "seed": "an int or None", "stop_token_ids": "a list of ints", "ignore_eos": "a bool",
+               "logprobs": "a bool"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

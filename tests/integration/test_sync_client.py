@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollfleet.actors import FleetConfig, SyncClient
-from rollfleet.errors import FleetClosed, InvalidRequest
+from rollfleet.errors import FleetClosed, InvalidRequest, RequestTimeout
 from rollfleet.transport.messages import SamplingParams
 
 from .test_fleet_echo import expected_tokens
@@ -41,6 +41,22 @@ def test_generate_batch_update_and_controls_from_plain_code():
     assert not any(psutil.pid_exists(p) for p in pids)
     with pytest.raises(FleetClosed):
         fleet.generate("y", [1])
+
+
+def test_a_failed_request_ends_its_batch_and_leaves_none_of_the_others_running():
+    with SyncClient(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 100})) as fleet:
+        # the third prompt holds an id outside the echo engine's vocabulary: its worker refuses it
+        prompts = [[1], [2], [10**6], [3]]
+        ids = ["a", "b", "c", "d"]
+        with pytest.raises(InvalidRequest):
+            fleet.generate_batch(prompts, SamplingParams(max_tokens=1000), request_ids=ids)
+        assert fleet.stats()["num_inflight"] == 0  # the others were stopped, not left to run
+        again = fleet.generate_batch([[1], [2]], SamplingParams(max_tokens=2), request_ids=ids[:2])
+        assert [r.token_ids for r in again] == [expected_tokens([1], 2), expected_tokens([2], 2)]
+        # a batch given up at its timeout leaves nothing behind either
+        with pytest.raises(RequestTimeout):
+            fleet.generate_batch([[1], [2]], SamplingParams(max_tokens=1000), timeout=0.3)
+        assert fleet.stats()["num_inflight"] == 0
 
 
 def test_abort_all_from_another_thread_ends_a_blocked_batch_with_partial_output():

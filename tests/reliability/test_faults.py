@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from rollfleet.errors import EngineFailed, RolloutError, WeightUpdateError, WorkerStartError
+from rollfleet.actors import RestartPolicy
+from rollfleet.errors import EngineFailed, FleetError, RolloutError, WeightUpdateError, WorkerStartError
 from rollfleet.transport.messages import SamplingParams
 
 from .helpers import alive, assert_clean, expected_tokens, fleet, segments_of, wait_for, worker_pids
@@ -148,6 +149,48 @@ async def test_worker_killed_during_startup_of_its_restart_is_restarted_again():
         logs = sorted(f for f in os.listdir(sup.private_dir) if f.startswith("w0-") and f.endswith(".log"))
         assert logs == ["w0-1.log", "w0-2.log"]
         pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_with_no_worker_left_to_restart_waiting_requests_fail_and_new_ones_are_refused():
+    from rollfleet.actors import RemoteClient
+
+    async with fleet(1, engine_options={"tokens_per_s": 100}, restart=None) as sup:
+        client = sup.client()
+        running = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=500)))
+        assert await wait_for(lambda: len(getattr(sup.table.get("local", "r"), "token_ids", [])) >= 3)
+        pids = worker_pids(sup)
+        os.kill(sup.slots[0].pid, signal.SIGKILL)
+        with pytest.raises(FleetError, match="no worker is left") as info:
+            await asyncio.wait_for(running, 10)  # it would wait to resume forever
+        assert "code -9" in str(info.value) and info.value.request_id == "r"
+        assert len(sup.table) == 0
+        with pytest.raises(FleetError):
+            await asyncio.wait_for(client.generate("s", [3], SamplingParams(max_tokens=2)), 10)
+        async with RemoteClient(sup.frontend_address, call_timeout_s=10) as remote:  # the same over the wire
+            with pytest.raises(FleetError):
+                await remote.generate("t", [3], SamplingParams(max_tokens=2), timeout=10)
+            assert (await remote.stats())["num_workers"] == 0
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_when_the_restart_policy_gives_up_on_the_last_slot_its_requests_fail():
+    # the worker's restart is killed during its start-up, and one restart is all the policy allows
+    sup = fleet(1, engine_options={"tokens_per_s": 100, "start_delay_s": 0.5},
+                restart=RestartPolicy(max_restarts=1, backoff_s=0.1))
+    async with sup:
+        client = sup.client()
+        running = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=500)))
+        assert await wait_for(lambda: len(getattr(sup.table.get("local", "r"), "token_ids", [])) >= 3)
+        first = sup.slots[0]
+        pids = worker_pids(sup)
+        os.kill(first.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not first, 5)
+        pids.add(sup.slots[0].pid)
+        os.kill(sup.slots[0].pid, signal.SIGKILL)  # still inside its engine's start-up delay
+        with pytest.raises(FleetError, match="no worker is left"):
+            await asyncio.wait_for(running, 10)
+        assert not sup.restarting() and not sup.workers
     assert_clean(sup.private_dir, pids)
 
 
