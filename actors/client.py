@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -45,6 +46,7 @@ __all__ = ["LLMClient", "RemoteClient"]
 logger = logging.getLogger(__name__)
 
 _END = object()
+_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -53,6 +55,12 @@ def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> Sampling
     if isinstance(sampling_params, SamplingParams):
         return sampling_params
     if isinstance(sampling_params, dict):
+        # On the wire unknown keys are skipped (a newer client's); from Python one is a typo,
+        # e.g. max_new_tokens for max_tokens, that would silently take the default.
+        unknown = sorted(map(str, sampling_params.keys() - _SAMPLING_KEYS))
+        if unknown:
+            raise InvalidRequest(f"sampling_params: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+                                 f"{', '.join(sorted(_SAMPLING_KEYS))}", code="bad_field")
         try:
             return SamplingParams.from_wire(sampling_params)
         except (ValueError, TypeError) as exc:

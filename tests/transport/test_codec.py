@@ -256,3 +256,19 @@ def test_a_list_with_an_element_of_the_wrong_type_is_named_as_such():
     raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [1], "sampling": {"stop_token_ids": 3}})
     with pytest.raises(codec.DecodeError, match="sampling.stop_token_ids: wrong type int"):
         codec.decode([raw])
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": 8.0}, {"logprobs": 0}, {"seed": "x"}, {"stop_token_ids": 2},
+                                 {"stop_token_ids": [1, "2"]}, {"temperature": True}, {"top_k": None},
+                                 {"ignore_eos": 1}])
+def test_sampling_params_built_in_python_have_the_wire_types(bad):
+    # what a decoded map is checked for holds for one made in Python too, where a wrong type
+    # would otherwise get as far as a worker (or past it: logprobs=0 read as False)
+    with pytest.raises(TypeError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_take_a_tuple_of_stop_ids_and_ints_for_floats():
+    params = SamplingParams(stop_token_ids=(1, 2), temperature=0, top_p=1)
+    assert params.stop_token_ids == [1, 2] and type(params.stop_token_ids) is list
+    assert codec.decode([codec.encode(Generate(id="g", prompt_ids=[1], sampling=params))]).sampling == params
