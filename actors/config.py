@@ -157,6 +157,12 @@ class FleetConfig:
         for addr in (self.worker_addr, self.frontend_addr):
             if addr:
                 check_bind(addr, self.curve_keys_dir)  # a non-loopback address needs CurveZMQ keys
+        from ..weights.config import WeightSyncConfig
+
+        try:  # checked now, not at the first update
+            WeightSyncConfig(**self.weights)
+        except (TypeError, ValueError) as exc:  # TypeError: a key that is not one of its fields
+            raise ValueError(f"weights (the fields of weights.WeightSyncConfig): {exc}") from None
 
     def weight_transport(self) -> str:
         """The transport weight updates use unless a call overrides it."""

@@ -5,10 +5,26 @@ them over shared memory, CUDA IPC or a private torch.distributed group; ``Weight
 (engine worker side) turns each bucket back into tensors and hands them to the engine.
 """
 
-from .bucket import Assembler, Packer, fill, unpack
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .config import WeightSyncConfig, choose_transport
-from .receiver import WeightReceiver
-from .sender import UpdateReport, WeightSender, WorkerLink, WorkerReport, release_buffers
+
+# The rest needs torch: imported on first use, so that checking a WeightSyncConfig does not.
+_LAZY = {"Assembler": "bucket", "Packer": "bucket", "fill": "bucket", "unpack": "bucket",
+         "WeightReceiver": "receiver", "UpdateReport": "sender", "WeightSender": "sender",
+         "WorkerLink": "sender", "WorkerReport": "sender", "release_buffers": "sender"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "WeightSyncConfig",
