@@ -47,6 +47,19 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fleet_address(text: str) -> str:
+    """An argparse type: the address of a fleet's client socket, tcp://HOST:PORT or ipc://PATH."""
+    address = text.strip()
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme == "ipc" and rest:
+        return address
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host and port.isdigit() and 0 < int(port) <= 65535:
+            return address
+    raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT (a port in 1..65535) or ipc://PATH, got {text!r}")
+
+
 def log_level(text: str) -> int:
     """An argparse type: a logging level by name (any case) or number."""
     name = text.strip().upper()
@@ -161,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).")
-    stats.add_argument("address", help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555.")
+    stats.add_argument("address", type=fleet_address,
+                       help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555 or ipc:///path/to/socket.")
     stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")
     stats.add_argument("--timeout", type=positive_float, default=10.0,
                        help="Seconds to wait for the answer (default 10).")

@@ -26,6 +26,8 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("demo", "--engine", "echo", "--model", "/tmp"),
     ("--log-level", "bogus", "keys", "/nonexistent/k"),
     ("stats", "tcp://127.0.0.1:1", "--timeout", "0"),
+    ("stats", "notanaddress"),
+    ("stats", "tcp://127.0.0.1:0"),
     ("serve", "--engine", "echo", "--bind", "tcp://127.0.0.1:99999"),
     ("serve", "--engine", "echo", "--bind", ""),
     ("serve", "--engine", "echo", "--bind", "127.0.0.1:5556"),
