@@ -44,6 +44,10 @@ class RestartPolicy:
 
 @dataclass(kw_only=True, slots=True)
 class FleetConfig:
+    """Everything a Supervisor needs to run a fleet; each field is documented where it is
+    declared (``help(FleetConfig)`` lists them). Bad values are refused here with ValueError,
+    engine options and weight settings included, before any worker starts."""
+
     engine: str = "torch"
     """Engine of every worker: echo, torch, vllm or sglang."""
     mode: str = "hybrid"
