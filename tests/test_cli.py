@@ -27,6 +27,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("--log-level", "bogus", "keys", "/nonexistent/k"),
     ("stats", "tcp://127.0.0.1:1", "--timeout", "0"),
     ("stats", "notanaddress"),
+    ("stats", "nonsense://x"),
     ("stats", "tcp://127.0.0.1:0"),
     ("serve", "--engine", "echo", "--bind", "tcp://127.0.0.1:99999"),
     ("serve", "--engine", "echo", "--bind", ""),

@@ -45,7 +45,7 @@ def test_cli_help_lists_every_command():
 
 
 def test_stats_without_a_fleet_says_so_in_one_line_and_exits_1():
-    for address in ("tcp://127.0.0.1:1", "nonsense://x"):
+    for address in ("tcp://127.0.0.1:1", "ipc:///nonexistent/fleet.sock"):  # a malformed one exits 2 (test_cli)
         out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "stats", address, "--timeout", "0.5"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "Traceback" not in out.stderr
