@@ -18,7 +18,7 @@ import psutil
 from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
-           "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm",
+           "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
            "claim_private_dir", "sweep_private_dirs", "sampling_seed"]
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,18 @@ def tail(path: str, max_bytes: int = 4000) -> str:
 # lists such names in ``<private dir>/shm-<its pid>.list`` (one per line); whoever sees that
 # process gone (the engine itself after reaping its children, the supervisor after a worker
 # died, or at shutdown) unlinks them.
+# Intel's OpenMP runtime (libiomp5, which vLLM's CPU guide has users preload) registers each
+# process that loads it as ``__KMP_REGISTERED_LIB_<pid>_<uid>`` and unlinks that at a normal
+# exit only: see kmp_names.
 SHM_DIR = "/dev/shm"
-SHM_PREFIXES = ("psm_", "sem.mp-")
+KMP_PREFIX = "__KMP_REGISTERED_LIB_"
+SHM_PREFIXES = ("psm_", "sem.mp-", KMP_PREFIX)
+
+
+def kmp_names(pids: list[int]) -> set[str]:
+    """The names libiomp5 registers ``pids`` under (this user's), whether or not they loaded it."""
+    uid = os.getuid()
+    return {f"{KMP_PREFIX}{pid}_{uid}" for pid in pids}
 
 
 def shm_names_mapped(pids: list[int]) -> set[str]:

@@ -75,9 +75,11 @@ from .process import (
     WorkerProcess,
     claim_private_dir,
     device_env,
+    kmp_names,
     sampling_seed,
     sweep_private_dirs,
     sweep_shm_lists,
+    unlink_shm,
 )
 from .router import Router
 from .updates import WeightSync
@@ -364,6 +366,8 @@ class Supervisor:
         if self.private_dir:
             sweep_shm_lists(self.private_dir, everything=True)
             shutil.rmtree(self.private_dir, ignore_errors=True)
+        # workers killed at the end of the grace period leave their OpenMP registration
+        unlink_shm(kmp_names([h.pid for h in self.slots.values() if isinstance(h.proc, WorkerProcess)]))
         self._closed = True
 
     def abandon(self) -> None:
@@ -432,6 +436,7 @@ class Supervisor:
         handle.last_error = reason
         self._retire(handle, reason)
         sweep_shm_lists(self.private_dir)  # what its engine's processes shared, if it was killed
+        unlink_shm(kmp_names([handle.pid]))  # and its own OpenMP registration, if it was killed
         for entry in self.table.on_worker(handle.worker_id):
             self.table.unbind(entry)
             if entry.state is State.ABORTING:

@@ -51,7 +51,7 @@ from ..transport.messages import (
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
-from .process import CONFIG_ENV, is_resource_tracker, kill_tree, sweep_shm_lists
+from .process import CONFIG_ENV, is_resource_tracker, kill_tree, kmp_names, sweep_shm_lists, unlink_shm
 
 __all__ = ["EngineWorker", "main"]
 
@@ -601,6 +601,7 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     # Resource trackers are spared: once this process is gone too they unlink what the engine's
     # processes registered (semaphores, shared memory) and exit by themselves.
     kill_tree(os.getpid(), signal.SIGKILL, include_parent=False, spare=is_resource_tracker)
+    unlink_shm(kmp_names([os.getpid()]))  # os._exit skips the runtime's own unlink
     for cleanup in _PARENT_DEATH_CLEANUPS:
         try:
             cleanup()

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from ..actors.process import record_shm, shm_names_mapped, unlink_shm
+from ..actors.process import kmp_names, record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
 from .base import Engine, EngineDead, EngineOutput, check_prompt
@@ -212,7 +212,8 @@ class VllmEngine(Engine):
             self._children = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         # vLLM's processes share queues through multiprocessing shared memory: listed where
         # the supervisor finds them if this process is killed (actors/process.py).
-        self._shm_names = shm_names_mapped([p.pid for p in self._children])
+        pids = [p.pid for p in self._children]
+        self._shm_names = shm_names_mapped(pids) | kmp_names(pids)  # killed children leave both
         self._shm_list = record_shm(private, self._shm_names)
         logger.info("vllm engine started: model %s, %d child processes", opts["model"], len(self._children))
 

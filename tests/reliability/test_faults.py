@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from rollfleet.actors import RestartPolicy
+from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.errors import EngineFailed, FleetError, RolloutError, WeightUpdateError, WorkerStartError
 from rollfleet.transport.messages import SamplingParams
 
@@ -192,6 +192,29 @@ async def test_when_the_restart_policy_gives_up_on_the_last_slot_its_requests_fa
             await asyncio.wait_for(running, 10)
         assert not sup.restarting() and not sup.workers
     assert_clean(sup.private_dir, pids)
+
+
+IOMP = os.path.join(sys.prefix, "lib", "libiomp5.so")  # Intel's OpenMP, installed with vLLM for CPUs
+
+
+async def test_workers_killed_or_shut_down_leave_no_openmp_registration():
+    if not os.path.exists(IOMP):
+        pytest.skip(f"needs Intel's OpenMP at {IOMP}")
+
+    def registered(pid):
+        return os.path.exists(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}")
+
+    sup = Supervisor(FleetConfig(engine="torch", num_workers=1, worker_env={"LD_PRELOAD": IOMP}))
+    async with sup:
+        await sup.client().generate("a", [1, 2], SamplingParams(max_tokens=2))  # the model ran: OpenMP is up
+        first = sup.slots[0]
+        assert registered(first.pid)
+        os.kill(first.pid, signal.SIGKILL)  # a killed process never unregisters
+        assert await wait_for(lambda: sup.slots[0] is not first and sup.slots[0].state.value == "ready", 30)
+        assert not registered(first.pid)
+        second = sup.slots[0].pid
+        await sup.client().generate("b", [1, 2], SamplingParams(max_tokens=2))
+    assert not registered(second)
 
 
 async def test_worker_stopped_during_fleet_startup_times_out_with_a_typed_error_and_is_killed():
@@ -439,6 +462,9 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
     def shm() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
 
+    # Preloaded as vLLM's CPU guide advises, Intel's OpenMP registers every process in /dev/shm
+    # too, and only a normal exit unregisters it.
+    env = {"LD_PRELOAD": IOMP} if os.path.exists(IOMP) else {}
     script = tmp_path / "fleet.py"
     script.write_text(textwrap.dedent(f"""
         import asyncio
@@ -448,7 +474,7 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
         async def main():
             path = build_tiny_llama({str(tmp_path / "model")!r})
             config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240,
-                                 engine_options={{"model": path}})
+                                 engine_options={{"model": path}}, worker_env={env!r})
             async with Supervisor(config) as sup:
                 print("ready", flush=True)
                 await asyncio.sleep(600)
@@ -463,6 +489,7 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert shm() - before  # the engine shares memory while it runs
+        assert not env or any(n.startswith("__KMP_REGISTERED_LIB_") for n in shm() - before)
         proc.send_signal(signal.SIGTERM)  # the supervisor's process alone, not its group
         proc.wait(30)
         deadline = time.monotonic() + 20
