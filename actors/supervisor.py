@@ -493,7 +493,7 @@ class Supervisor:
             return
         last = "; ".join(f"{h.worker_id}: {h.last_error}" for _, h in sorted(self.slots.items()))
         self._no_workers = f"no worker is left and none will be restarted ({last})"
-        logger.error("%s; requests fail until the fleet is started again", self._no_workers)
+        logger.error("%s; waiting requests fail and new ones are refused", self._no_workers)
         self._pending.clear()
         for entry in self.table:
             self._fail(entry, FleetError(self._no_workers, request_id=entry.request_id))
