@@ -815,15 +815,8 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
-        try:
-            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
-            header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
-        except (TypeError, ValueError, OverflowError) as exc:  # submit checked the prompt: a last guard
-            self.router.on_finish(handle.worker_id)
-            self.table.unbind(entry)
-            self._fail(entry, InvalidRequest(f"generate {entry.request_id!r} cannot be encoded: {exc}",
-                                             code="bad_field", request_id=entry.request_id))
-            return
+        # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
+        header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
         try:
             self._send_encoded(handle, header)
         except zmq.ZMQError:  # (unbatched workers only) it vanished between choose() and send
@@ -889,7 +882,7 @@ class Supervisor:
                 self._preempt(entry)
                 self._pump()
             return
-        self._complete(entry, msg.finish_reason, worker=handle.worker_id)
+        self._complete(entry, msg.finish_reason)
 
     def _on_worker_error(self, handle: WorkerHandle, msg: Error) -> None:
         if handle.resolve(msg.id, None, (msg.code, msg.message)):
@@ -927,8 +920,8 @@ class Supervisor:
         else:
             self._per_origin.pop(entry.origin, None)
 
-    def _complete(self, entry: Entry, finish_reason: str, worker: str = "") -> None:
-        worker = worker or entry.last_worker
+    def _complete(self, entry: Entry, finish_reason: str) -> None:
+        worker = entry.last_worker
         self._finish(entry)
         self.counters["aborted" if finish_reason == _ABORT else "completed"] += 1
         now = time.monotonic()

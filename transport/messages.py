@@ -302,9 +302,9 @@ _SAMPLING_SPEC = tuple((f.name, *WIRE_TYPES[str(f.type)]) for f in fields(Sampli
 # which only seed accepts, and its default is None.
 _SAMPLING_KINDS = frozenset(itertools.product(*(types for _, types, _ in _SAMPLING_SPEC)))
 _STOP = _SAMPLING_FIELDS.index("stop_token_ids")
-_TYPE_NAMES = {"max_tokens": "an int", "temperature": "a number", "top_p": "a number", "top_k": "an int",
-               "seed": "an int or None", "stop_token_ids": "a list of ints", "ignore_eos": "a bool",
-               "logprobs": "a bool"}
+_TYPE_PHRASES = {"int": "an int", "float": "a number", "int | None": "an int or None", "list[int]": "a list of ints",
+                 "bool": "a bool"}
+_TYPE_NAMES = {f.name: _TYPE_PHRASES[str(f.type)] for f in fields(SamplingParams)}  # for SamplingParams' errors
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
