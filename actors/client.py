@@ -1,7 +1,8 @@
 """Clients: LLMClient (in the supervisor's process) and RemoteClient (over the frontend socket).
 
-Both have ``generate`` (awaits the whole result), ``stream`` (yields StreamChunk objects,
-then the final GenerationResult), ``abort``, ``abort_all``, ``stats`` and ``control``;
+Both have ``generate`` (awaits the whole result), ``generate_batch`` (many prompts at once,
+results in order), ``stream`` (yields StreamChunk objects, then the final GenerationResult),
+``abort``, ``abort_all``, ``stats`` and ``control``;
 LLMClient also drives the fleet (``update_weights``, ``sleep``, ``wake_up``,
 ``clear_kv_cache``, profiling). Cancelling the awaiting task (``asyncio.timeout``,
 ``wait_for``) stops the request on its worker too.
@@ -14,7 +15,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import zmq
@@ -46,6 +49,9 @@ __all__ = ["LLMClient", "RemoteClient"]
 logger = logging.getLogger(__name__)
 
 _END = object()
+_batch_ids = itertools.count()
+# generate_batch's own ids: unique per process, so two clients' batches never share an id
+_BATCH_PREFIX = f"{os.getpid():x}{secrets.token_hex(3)}-"
 _SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -165,6 +171,57 @@ class _Base:
         result = GenerationResult.from_message(msg, copy=False)  # type: ignore[arg-type]
         self.on_complete(result)
         return result
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Any],
+        sampling_params: SamplingParams | dict[str, Any] | Sequence[Any] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Generate for every prompt concurrently; the results in prompt order.
+
+        ``sampling_params`` is one for all (SamplingParams, dict or None) or a list with one
+        per prompt. ``request_ids`` defaults to fresh unique ids; ``timeout`` applies to each
+        request, and the other keywords (``session_id``, ``resume``) to all of them. With
+        ``return_exceptions`` a failed request's slot holds its RolloutError. Without it, the
+        first failure is raised once the batch's other requests are cancelled (stopped on their
+        workers; their partial output is dropped), as they are when the call itself is
+        cancelled. Arguments are checked before any request is sent: a bad one raises
+        InvalidRequest and starts nothing.
+        """
+        prompts = list(prompts)
+        if request_ids is None:
+            batch = next(_batch_ids)
+            request_ids = [f"batch-{_BATCH_PREFIX}{batch}-{i}" for i in range(len(prompts))]
+        else:
+            request_ids = list(request_ids)
+        if len(request_ids) != len(prompts):
+            raise InvalidRequest(f"generate_batch: {len(request_ids)} request_ids for {len(prompts)} prompts",
+                                 code="bad_field")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequest(f"generate_batch: {len(sampling_params)} sampling_params for {len(prompts)} "
+                                     "prompts", code="bad_field")
+            per_prompt = [_params(p) for p in sampling_params]
+        else:
+            per_prompt = [_params(sampling_params)] * len(prompts)
+        if len(set(request_ids)) != len(request_ids):
+            raise DuplicateRequest("generate_batch: request_ids repeat an id")
+        for request_id in request_ids:
+            _check_id(request_id)
+        prompts = [_prompt(p) for p in prompts]
+        tasks = [asyncio.ensure_future(self.generate(rid, p, sp, timeout=timeout, **kwargs))
+                 for rid, p, sp in zip(request_ids, prompts, per_prompt)]
+        try:
+            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+        finally:
+            for task in tasks:
+                task.cancel()  # those still running: none is left behind unawaited
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(
         self,

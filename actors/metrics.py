@@ -130,6 +130,7 @@ class MetricsExporter:
         yield _gauge("rollfleet_pending", "Requests waiting for a worker", fleet.get("num_pending", 0))
         yield _gauge("rollfleet_workers_ready", "Workers serving requests", fleet.get("num_workers", 0))
         yield _gauge("rollfleet_weight_version", "The fleet's weight version", fleet.get("weight_version", 0))
+        yield _gauge("rollfleet_sleep_level", "Level of the sleep in force (0: awake)", fleet.get("sleep_level", 0))
         outcomes = CounterMetricFamily("rollfleet_requests", "Requests by outcome; 'resumed' counts resumptions",
                                        labels=["outcome"])
         for name in ("completed", "aborted", "failed", "resumed", "cancelled"):

@@ -148,7 +148,8 @@ class Supervisor:
         self.weights = WeightSync(self, keep_last_weights=config.keep_last_weights)
         self._drops = LogLimiter(logger)  # bad or foreign frames: counted, logged sparingly
         self._stall_seen: dict[str, tuple[int, float]] = {}  # inner id -> (tokens, unchanged since)
-        self._engines_held = False  # a pause/sleep control op is in force: no token is expected
+        self._sleep_level = 0  # the level of the sleep control op in force (0: awake)
+        self._engines_paused = False  # the pause control op is in force
         self._ready = False  # start() finished: every worker registered once
         self._no_workers: str | None = None  # why no worker is left and none will come back
         self._metrics: MetricsExporter | None = None
@@ -530,7 +531,7 @@ class Supervisor:
         token count has not moved for ``stall_timeout_s``. The death path then resumes it.
         """
         limit = self.config.stall_timeout_s
-        if limit is None or self._paused or self._engines_held:
+        if limit is None or self._paused or self._sleep_level or self._engines_paused:
             self._stall_seen.clear()  # waits that are meant to be: start over afterwards
             return
         seen: dict[str, tuple[int, float]] = {}
@@ -1002,8 +1003,11 @@ class Supervisor:
             check_control_args(op, args or {})
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="bad_field") from None
-        if op in ("pause", "sleep"):
-            self._engines_held = True  # before the call: tokens stop as soon as an engine obeys
+        # before the call: tokens stop as soon as an engine obeys
+        if op == "sleep":
+            self._sleep_level = int((args or {}).get("level", 1))
+        elif op == "pause":
+            self._engines_paused = True
         handles = self.ready_workers()
         results = await asyncio.gather(
             *(h.call(Control(id=h.next_call_id(), op=op, args=dict(args or {})), self.config.call_timeout_s)
@@ -1017,8 +1021,10 @@ class Supervisor:
             if isinstance(res, BaseException):
                 raise res
             out[h.worker_id] = res
-        if op in ("resume", "wake_up"):
-            self._engines_held = False
+        if op == "wake_up":
+            self._sleep_level = 0
+        elif op == "resume":
+            self._engines_paused = False
         return out
 
     async def update_weights(self, named_tensors: Any, version: int, *, transport: str | None = None,
@@ -1100,6 +1106,8 @@ class Supervisor:
             "num_inflight": len(self.table),
             "num_pending": len(self._pending),
             "weight_version": self.weight_version,
+            "sleep_level": self._sleep_level,
+            "engines_paused": self._engines_paused,
             "mode": self.config.mode,
             "engine": self.config.engine,
             "host": socket.gethostname(),

@@ -15,18 +15,20 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import itertools
 import logging
+import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import FleetClosed
 from ..transport.messages import SamplingParams
 from .config import FleetConfig
-from .result import GenerationResult
+from .result import GenerationResult, StreamChunk
 from .supervisor import Supervisor
 
 __all__ = ["SyncClient"]
@@ -49,7 +51,7 @@ class SyncClient:
     """A fleet and a blocking client of it, for code without an event loop (a torchrun rank's
     training loop). The fleet runs on a loop in a background thread; every method waits for
     its answer, and may be called from any thread. Requests and their errors are those of
-    LLMClient (``generate``, ``generate_batch``, ``abort``, ``abort_all``); ``update_weights``,
+    LLMClient (``generate``, ``generate_batch``, ``stream``, ``abort``, ``abort_all``); ``update_weights``,
     ``sleep``/``wake_up``, ``training()``, ``control``, ``stats`` and ``shutdown`` those of the
     Supervisor."""
 
@@ -109,32 +111,70 @@ class SyncClient:
         """One request; raises like LLMClient.generate."""
         return self._call(self.client.generate(request_id, prompt_ids, sampling_params, **kwargs))
 
-    def generate_batch(self, prompts: Sequence[list[int]], sampling_params: SamplingParams | None = None, *,
+    def generate_batch(self, prompts: Sequence[Any], sampling_params: Any = None, *,
                        request_ids: Sequence[str] | None = None, timeout: float | None = None,
                        return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
-        """Generate for every prompt concurrently; results in prompt order.
+        """Generate for every prompt concurrently; results in prompt order (LLMClient.generate_batch:
+        one SamplingParams for all or one per prompt).
 
         With ``return_exceptions`` a failed request's slot holds its RolloutError instead of
         raising the first one. Without it, the first failure is raised once the batch's other
         requests are cancelled (stopped on their workers; their partial output is dropped),
         as they are when the call is given up (``timeout``, shutdown).
         """
+        prompts = list(prompts)
         if request_ids is None:
             request_ids = [f"{self._prefix}{next(self._counter)}" for _ in prompts]
-        if len(request_ids) != len(prompts):
-            raise ValueError("request_ids and prompts differ in length")
+        return self._call(self.client.generate_batch(prompts, sampling_params, request_ids=request_ids,
+                                                     timeout=timeout, return_exceptions=return_exceptions,
+                                                     **kwargs))
 
-        async def batch() -> list[Any]:
-            tasks = [asyncio.ensure_future(self.client.generate(rid, p, sampling_params, timeout=timeout, **kwargs))
-                     for rid, p in zip(request_ids, prompts)]
+    def stream(self, request_id: str, prompt_ids: Any, sampling_params: Any = None,
+               **kwargs: Any) -> Iterator[StreamChunk | GenerationResult]:
+        """Yield StreamChunk objects as tokens arrive, then the final GenerationResult
+        (LLMClient.stream; raises like ``generate``). Closing the iterator early (``close()``,
+        or leaving ``with contextlib.closing(fleet.stream(...))``) aborts the request and
+        returns once the abort is sent; after a plain ``break`` that happens when the iterator
+        is collected."""
+        if self._closed:
+            raise FleetClosed("SyncClient is shut down")
+        items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        finished = threading.Event()
+
+        async def pump() -> None:
             try:
-                return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+                async with contextlib.aclosing(self.client.stream(request_id, prompt_ids, sampling_params,
+                                                                  **kwargs)) as source:
+                    async for item in source:
+                        items.put(("item", item))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                items.put(("error", exc))
+            else:
+                items.put(("end", None))
             finally:
-                for task in tasks:
-                    task.cancel()  # those still running: none is left behind unawaited
-                await asyncio.gather(*tasks, return_exceptions=True)
+                finished.set()
 
-        return self._call(batch())
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                try:
+                    kind, value = items.get(timeout=0.5)
+                except queue.Empty:
+                    if self._closed:
+                        raise FleetClosed("SyncClient was shut down while this stream ran") from None
+                    continue
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            if not finished.is_set() and not self._closed:
+                fut.cancel()  # cancels pump on the loop: the stream's own close aborts the request
+                finished.wait(5)
 
     def abort(self, request_id: str) -> bool:
         return self._call(self.client.abort(request_id))

@@ -519,3 +519,45 @@ def test_device_env_is_safe_and_maps_visible_devices():
     assert device_env("cuda:1", {"CUDA_VISIBLE_DEVICES": "4,5"}) == {"CUDA_VISIBLE_DEVICES": "5"}
     assert device_env("npu:0", {}) == {"ASCEND_RT_VISIBLE_DEVICES": "0"}
     assert device_env("cuda", {"CUDA_VISIBLE_DEVICES": ""}) == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_before_sending():
+    async with fleet(2, engine_options={"tokens_per_s": 100}) as sup:
+        prompts = [[i + 1, i + 2] for i in range(6)]
+        lengths = [i + 1 for i in range(6)]
+        async with RemoteClient(sup.frontend_address) as remote:
+            for client in (sup.client(), remote):
+                # one SamplingParams for all, one per prompt (dicts too), prompts from a generator
+                same = await client.generate_batch(prompts, SamplingParams(max_tokens=3))
+                assert [r.token_ids for r in same] == [expected_tokens(p, 3) for p in prompts]
+                assert len({r.request_id for r in same}) == 6
+                each = await client.generate_batch((p for p in prompts), [{"max_tokens": n} for n in lengths])
+                assert [r.token_ids for r in each] == [expected_tokens(p, n) for p, n in zip(prompts, lengths)]
+                # bad arguments start nothing
+                for args, kwargs, error in (
+                    ((prompts, [SamplingParams()] * 5), {}, InvalidRequest),
+                    ((prompts[:2],), {"request_ids": ["a"]}, InvalidRequest),
+                    ((prompts[:2],), {"request_ids": ["a", "a"]}, DuplicateRequest),
+                    ((prompts[:2],), {"request_ids": ["a", ""]}, InvalidRequest),
+                    (([[1], "text"],), {}, InvalidRequest),
+                    ((prompts[:2], {"max_new_tokens": 3}), {}, InvalidRequest),
+                ):
+                    with pytest.raises(error):
+                        await client.generate_batch(*args, **kwargs)
+                    assert len(sup.table) == 0
+                # a failure: raised once the others are stopped, or kept in its slot
+                bad = [[1], [2], [10**6], [3]]
+                with pytest.raises(InvalidRequest):
+                    await client.generate_batch(bad, SamplingParams(max_tokens=1000))
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+                kept = await client.generate_batch(bad, SamplingParams(max_tokens=2), return_exceptions=True)
+                assert isinstance(kept[2], InvalidRequest)
+                assert [r.token_ids for i, r in enumerate(kept) if i != 2] == [expected_tokens(p, 2) for p in
+                                                                            (bad[0], bad[1], bad[3])]
+                # a batch whose caller gives up leaves nothing running
+                task = asyncio.create_task(client.generate_batch(prompts, SamplingParams(max_tokens=1000)))
+                assert await wait_for(lambda: len(sup.table) == 6, 3.0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)

@@ -17,11 +17,13 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 async def test_hybrid_training_context_sleeps_and_wakes_the_engines():
     async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
-        async with sup.training():
+        async with sup.training(level=2):
             stats = await sup.stats()
             assert all(w["engine_stats"]["sleeping"] for w in stats["workers"])
+            assert stats["sleep_level"] == 2  # the fleet's own stats say so, not only each engine's
         stats = await sup.stats()
         assert not any(w["engine_stats"]["sleeping"] for w in stats["workers"])
+        assert stats["sleep_level"] == 0 and stats["engines_paused"] is False
         report = await sup.update_weights([("offset", torch.tensor([1]))], version=1)
         assert {w.transport for w in report.workers.values()} == {"shm"}
 

@@ -32,9 +32,11 @@ def test_generate_batch_update_and_controls_from_plain_code():
         workers = fleet.control("clear_kv_cache")
         assert sorted(workers) == sorted(w["worker_id"] for w in fleet.stats()["workers"])
         assert all(data == {"op": "clear_kv_cache"} for data in workers.values())
-        # bad sampling given as a map fails each slot with the library's error, not a ValueError
-        bad = fleet.generate_batch([[1], [2]], {"max_tokens": -1}, return_exceptions=True)
-        assert all(isinstance(e, InvalidRequest) and e.code == "bad_field" for e in bad)
+        # bad sampling given as a map fails with the library's error, not a ValueError, before
+        # any request is sent
+        with pytest.raises(InvalidRequest) as info:
+            fleet.generate_batch([[1], [2]], {"max_tokens": -1}, return_exceptions=True)
+        assert info.value.code == "bad_field" and fleet.stats()["num_completed"] == 11
         stats = fleet.stats()
         assert stats["weight_version"] == 4 and stats["num_workers"] == 2
         pids = [w["pid"] for w in stats["workers"]]
@@ -119,3 +121,26 @@ def test_shutdown_with_the_loop_blocked_in_a_weight_generator_kills_the_workers_
     assert took < 30
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     assert not os.path.exists(private_dir)
+
+
+def test_stream_from_plain_code_yields_chunks_then_the_result_and_closing_it_aborts():
+    import contextlib
+
+    with SyncClient(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 200})) as fleet:
+        items = list(fleet.stream("s1", [4, 5], SamplingParams(max_tokens=6)))
+        assert len(items) >= 2 and hasattr(items[-1], "finish_reason")
+        tokens = [t for item in items[:-1] for t in item.token_ids]
+        assert tokens == items[-1].token_ids == expected_tokens([4, 5], 6)
+        # closed after the first chunk: the request stops on its worker before close() returns
+        with contextlib.closing(fleet.stream("s2", [1], SamplingParams(max_tokens=1000))) as stream:
+            first = next(stream)
+            assert first.token_ids
+        assert fleet.stats()["num_inflight"] == 0 and fleet.stats()["num_cancelled"] == 1
+        # errors are raised like generate's, in the caller's thread
+        with pytest.raises(InvalidRequest):
+            next(fleet.stream("s3", [1], {"max_tokens": -1}))
+        # prompts given as a generator are all generated for (they used to be used up by the ids)
+        results = fleet.generate_batch((p for p in ([1], [2], [3])), SamplingParams(max_tokens=2))
+        assert [r.token_ids for r in results] == [expected_tokens(p, 2) for p in ([1], [2], [3])]
+    with pytest.raises(FleetClosed):
+        next(fleet.stream("s4", [1]))

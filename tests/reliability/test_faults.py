@@ -321,8 +321,14 @@ async def test_stall_timeout_spares_paused_engines():
         task = asyncio.create_task(client.generate("r", [2], SamplingParams(max_tokens=60)))
         await asyncio.sleep(0.05)
         await client.control("pause")
+        assert (await sup.stats(engines=False))["engines_paused"] is True
         await asyncio.sleep(1.5)  # three stall timeouts without a token
-        await client.control("resume")
+        await client.control("sleep")
+        await client.control("resume")  # undoes the pause, not the sleep
+        stats = await sup.stats(engines=False)
+        assert stats["engines_paused"] is False and stats["sleep_level"] == 1
+        await client.control("wake_up")
+        assert (await sup.stats(engines=False))["sleep_level"] == 0
         result = await asyncio.wait_for(task, 10)
         assert result.token_ids == expected_tokens([2], 60) and result.num_preemptions == 0
         assert worker_pids(sup) == pids

@@ -129,6 +129,13 @@ async def test_prometheus_endpoint_exports_per_worker_and_fleet_metrics():
         info = [k for k in samples if k[0] == "rollfleet_worker_info" and ("worker", "0") in k[1]]
         assert len(info) == 1 and any(lbl == "last_error" and "code -9" in v for lbl, v in info[0][1])
         assert any(lbl == "pid" and v == str(sup.slots[0].pid) for lbl, v in info[0][1])
+        assert value(samples, "rollfleet_sleep_level") == 0.0
+        await client.sleep(2)
+        deadline = time.monotonic() + 5
+        while value(samples, "rollfleet_sleep_level") != 2.0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            samples = await current()
+        assert value(samples, "rollfleet_sleep_level") == 2.0
     with pytest.raises(urllib.error.URLError):  # the endpoint goes away with the fleet
         urllib.request.urlopen(url, timeout=2)
 
