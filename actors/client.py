@@ -312,9 +312,14 @@ class LLMClient(_Base):
         if not self.supervisor.closed:
             self.supervisor.cancel("local", request_id)
 
+    def _check_open(self) -> None:
+        if self.supervisor.closed:
+            raise FleetClosed("the fleet is shut down")
+
     async def abort(self, request_id: str) -> bool:
         """Abort one request; its generate() returns a result with finish_reason 'abort'.
-        Returns False when no such request is in flight."""
+        Returns False when no such request is in flight. Raises FleetClosed after shutdown."""
+        self._check_open()
         return self.supervisor.abort("local", request_id)
 
     async def abort_all(self, session_id: str | None = None) -> list[str]:
@@ -322,9 +327,12 @@ class LLMClient(_Base):
         or only those of ``session_id`` (e.g. the rest of a step once it has enough samples);
         each ends as with ``abort``, with its partial output. Returns their ids."""
         _check_session(session_id)
+        self._check_open()
         return self.supervisor.abort_all("local", session_id)
 
     async def stats(self) -> dict[str, Any]:
+        """Fleet statistics (PROTOCOL.md 6.5). Raises FleetClosed after shutdown."""
+        self._check_open()
         return await self.supervisor.stats()
 
     async def control(self, op: str, **args: Any) -> dict[str, Any]:
@@ -572,7 +580,8 @@ class RemoteClient(_Base):
             await self._send(msg)
             return await asyncio.wait_for(fut, self.call_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestTimeout(f"no answer to {msg.TYPE.value} within {self.call_timeout_s}s") from None
+            why = "" if self._up else f": no connection to a fleet at {self.address} came up (is one serving there?)"
+            raise RequestTimeout(f"no answer to {msg.TYPE.value} within {self.call_timeout_s}s{why}") from None
         finally:
             self._calls.pop(msg.id, None)
 

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import signal
+import socket as socket_module
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import zmq.asyncio
 from rollfleet.actors import FleetConfig, LLMClient, RemoteClient, Supervisor
 from rollfleet.actors.process import device_env
 from rollfleet.engines.echo import echo_tokens
-from rollfleet.errors import DuplicateRequest, InvalidRequest, RequestTimeout, WorkerLost, WorkerStartError
+from rollfleet.errors import DuplicateRequest, FleetClosed, InvalidRequest, RequestTimeout, WorkerLost, WorkerStartError
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, SamplingParams
 
@@ -52,6 +53,11 @@ async def test_spawn_register_shutdown_leaves_no_process_or_socket_file():
     await sup.shutdown()
     await sup.shutdown()  # idempotent
     assert not os.path.exists(sup.private_dir)
+    client = sup.client()
+    for call in (lambda: client.generate("after", [1]), lambda: client.abort("r"), client.abort_all, client.stats,
+                 lambda: client.control("clear_kv_cache")):
+        with pytest.raises(FleetClosed):
+            await call()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
@@ -561,3 +567,13 @@ async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_befo
                 with pytest.raises(asyncio.CancelledError):
                     await task
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+
+
+async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeout():
+    with socket_module.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    async with RemoteClient(address, call_timeout_s=0.5) as remote:
+        for call in (lambda: remote.generate("a", [1]), remote.stats):
+            with pytest.raises(RequestTimeout, match="no connection to a fleet at " + address):
+                await call()
