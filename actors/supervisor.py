@@ -673,7 +673,7 @@ class Supervisor:
 
     def _on_worker_message(self, handle: WorkerHandle, msg: Message) -> None:
         if isinstance(msg, Chunk):
-            self._on_chunk(msg)
+            self._on_chunk(handle, msg)
         elif isinstance(msg, Result):
             self._on_result(handle, msg)
         elif isinstance(msg, Reply):
@@ -834,10 +834,22 @@ class Supervisor:
     def on_dispatch(self, entry: Entry, worker_id: str) -> None:
         """Hook for tests and subclasses; called after each dispatch (first and resumed)."""
 
-    def _on_chunk(self, msg: Chunk) -> None:
+    def _foreign(self, handle: WorkerHandle, entry: Entry, msg: Message) -> bool:
+        """An answer about a request that runs on another worker: dropped, so that no worker
+        (a buggy one, or one some node agent started) can end or add to another's requests."""
+        if entry.worker_id == handle.worker_id:
+            return False
+        self._drops.log("bad_worker_frame", logging.WARNING,
+                        "dropped a %s from worker %s for request %s, which runs on %s",
+                        msg.TYPE.value, handle.worker_id, msg.id, entry.worker_id)
+        return True
+
+    def _on_chunk(self, handle: WorkerHandle, msg: Chunk) -> None:
         entry = self.table.by_inner(msg.id)
         if entry is None:
             return  # cancelled or already finished: late tokens are dropped
+        if entry.worker_id != handle.worker_id and self._foreign(handle, entry, msg):
+            return
         if not msg.token_ids:
             return
         if entry.segment_version is None:
@@ -856,7 +868,7 @@ class Supervisor:
 
     def _on_result(self, handle: WorkerHandle, msg: Result) -> None:
         entry = self.table.by_inner(msg.id)
-        if entry is None:
+        if entry is None or self._foreign(handle, entry, msg):
             return
         self.router.on_finish(handle.worker_id)
         streamed = len(entry.token_ids)
@@ -892,6 +904,8 @@ class Supervisor:
         if entry is None:
             self._drops.log("worker_error", logging.WARNING, "worker %s: error %s: %s",
                             handle.worker_id, msg.code, msg.message)
+            return
+        if self._foreign(handle, entry, msg):
             return
         self.router.on_finish(handle.worker_id)
         self.table.unbind(entry)

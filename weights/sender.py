@@ -352,7 +352,7 @@ class WeightSender:
                 ch.close()
             if begun:
                 failed = exc.worker_id if isinstance(exc, _LinkFailed) else None
-                await self._abort(uid, version, [l for l in links if l.worker_id != failed])
+                await self._abort(uid, version, links, failed)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise self._error(exc, report, started) from (exc.cause if isinstance(exc, _LinkFailed) else exc)
@@ -437,8 +437,14 @@ class WeightSender:
         calls = [asyncio.create_task(self._call(link, msg)) for link in links]
         return _together([asyncio.create_task(one(c, l)) for c, l in zip(calls, links)] + calls)
 
-    async def _abort(self, uid: str, version: int, links: list) -> None:
+    async def _abort(self, uid: str, version: int, links: list, failed: str | None = None) -> None:
+        """``weights_end {commit: false}`` to every worker (PROTOCOL.md 6.8). The one that failed
+        is told too, so that it drops what it staged, but not waited for: it may be dead or hung."""
         msg = WeightsEnd(id=f"{uid}.abort", version=version, commit=False)
+        for link in links:
+            if link.worker_id == failed:
+                asyncio.ensure_future(link.call(msg, timeout=self.config.abort_timeout_s)).add_done_callback(_retrieve)
+        links = [link for link in links if link.worker_id != failed]
         results = await asyncio.gather(
             *(link.call(msg, timeout=self.config.abort_timeout_s) for link in links), return_exceptions=True
         )

@@ -10,6 +10,7 @@ import zmq
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.cli import main as cli_main
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import FleetClosed, RequestTimeout
 from rollfleet.transport.auth import is_loopback_address, load_client_keys, make_keys
 from rollfleet.transport.messages import SamplingParams
@@ -119,3 +120,52 @@ def test_keys_command_keeps_existing_keys_unless_forced_and_secrets_stay_private
     assert sorted(p.name for p in keys_dir.iterdir()) == ["authorized", "client.key", "client.key_secret",
                                                           "server.key", "server.key_secret"]
     assert (keys_dir / "authorized" / "client.key").read_bytes() == (keys_dir / "client.key").read_bytes()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_path):
+    # A request's inner id is known to the worker it runs on alone; an admitted remote worker
+    # (or a buggy one) that sends a chunk, result or error under that id is ignored: the
+    # request's tokens, its worker's load and its end stay the real worker's.
+    import msgpack
+
+    keys_dir = str(tmp_path / "keys")
+    make_keys(keys_dir)
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
+                         accept_remote_workers=True, engine_options={"tokens_per_s": 100})
+    async with Supervisor(config) as sup:
+        pub, sec = zmq.curve_keypair()
+        sup.allow_worker_key(pub)
+        server_pub = load_client_keys(keys_dir)[2]
+        client = sup.client()
+        victim = asyncio.create_task(client.generate("victim", [1, 2], SamplingParams(max_tokens=40)))
+        while not sup.table.num_inner:
+            await asyncio.sleep(0.01)
+        inner = next(iter(sup.table)).inner_id
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"nodeA/w0-0")
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, pub)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, sec)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sup.worker_address)
+        try:
+            def send(kind, **fields):
+                sock.send(msgpack.packb({"v": 1, "type": kind, **fields}))
+
+            send("register", id="register", worker_id="nodeA/w0-0", pid=1, engine="echo")
+            assert await asyncio.to_thread(sock.poll, 5000), "the remote worker was not admitted"
+            sock.recv()
+            send("chunk", id=inner, token_ids=[7], weight_version=0)
+            send("result", id=inner, token_ids=[7, 8], finish_reason="stop", weight_versions=[0])
+            send("error", id=inner, code="engine_error", message="not mine")
+            result = await asyncio.wait_for(victim, 10)
+        finally:
+            sock.close()
+            ctx.term()
+        assert result.finish_reason == "length" and result.token_ids == echo_tokens([1, 2], 40)
+        assert result.worker == "w0-0"
+        stats = await sup.stats(engines=False)
+        assert [w["num_inflight"] for w in stats["workers"]] == [0, 0]
+        assert stats["dropped_frames"].get("bad_worker_frame", 0) >= 3

@@ -105,6 +105,13 @@ async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_
     assert good.receiver.version == -1 and bad.receiver.version == -1
     assert [m.commit for m in good.sent if isinstance(m, WeightsEnd)][-1] is False
     assert good.receiver._update is None
+    # The worker that failed is told to drop the update too (not waited for: it may be gone).
+    for _ in range(200):
+        if [m.commit for m in bad.sent if isinstance(m, WeightsEnd)][-1] is False:
+            break
+        await asyncio.sleep(0.01)
+    assert [m.commit for m in bad.sent if isinstance(m, WeightsEnd)][-1] is False
+    assert bad.receiver._update is None
     assert mine() == []
 
 
