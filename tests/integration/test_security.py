@@ -18,6 +18,19 @@ from rollfleet.transport.messages import SamplingParams
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
+def _curve_dealer(address, identity, public, secret, server_public):
+    """A raw CurveZMQ DEALER with its own context (close the socket, then term the context)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return ctx, sock
+
+
 def test_loopback_rule():
     assert is_loopback_address("tcp://127.0.0.1:5")
     assert is_loopback_address("tcp://[::1]:5")
@@ -82,14 +95,7 @@ async def test_a_client_key_cannot_register_a_worker(tmp_path):
         import msgpack
 
         client_pub, client_sec, server_pub = load_client_keys(keys_dir)
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"w0-7")
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, client_pub)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, client_sec)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sup.worker_address)
+        ctx, sock = _curve_dealer(sup.worker_address, b"w0-7", client_pub, client_sec, server_pub)
         try:
             sock.send(msgpack.packb({"v": 1, "type": "register", "id": "r", "worker_id": "w0-7", "pid": 1,
                                      "engine": "echo"}))
@@ -142,14 +148,7 @@ async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_
         while not sup.table.num_inner:
             await asyncio.sleep(0.01)
         inner = next(iter(sup.table)).inner_id
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"nodeA/w0-0")
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, pub)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, sec)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_pub)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(sup.worker_address)
+        ctx, sock = _curve_dealer(sup.worker_address, b"nodeA/w0-0", pub, sec, server_pub)
         try:
             def send(kind, **fields):
                 sock.send(msgpack.packb({"v": 1, "type": kind, **fields}))
