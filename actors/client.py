@@ -25,7 +25,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from ..errors import DuplicateRequest, FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
 from ..transport import codec
-from ..transport.aio import LoopSocket
+from ..transport.aio import BATCH_BYTES, LoopSocket
 from ..transport.messages import (
     Abort,
     AbortAll,
@@ -409,6 +409,7 @@ class RemoteClient(_Base):
         self._ids = itertools.count(1)
         self._hello: asyncio.Task[None] | None = None
         self._batch = False  # the fleet takes batches from this client
+        self._max_send: int | None = None  # the largest message the fleet reads (its hello says)
         self._closed = False
 
     async def __aenter__(self) -> "RemoteClient":
@@ -505,6 +506,11 @@ class RemoteClient(_Base):
             sink(msg)
             if isinstance(msg, (Result, Error)):
                 self._sinks.pop(msg.id, None)
+        elif isinstance(msg, Error) and not msg.id:
+            # About a frame of this client's that the fleet could not read: which one, it cannot
+            # say. Calls check their size against the fleet's limit before they go, so this is
+            # a bug (of this client, or of the fleet).
+            logger.warning("the fleet could not read a message of this client: %s: %s", msg.code, msg.message)
 
     async def _send(self, msg: Message) -> None:
         # (header,)
@@ -528,6 +534,11 @@ class RemoteClient(_Base):
                 raise
             return
         self._batch = data.get("batch") is True
+        limit = data.get("max_message_bytes")
+        if type(limit) is int and limit > 0:
+            self._max_send = limit
+            # A batch is one message to the fleet: it must fit too (its own header is < 64 bytes).
+            self._socket().batch_bytes = max(1, min(BATCH_BYTES, limit - 64))
 
     def _on_own_loop(self) -> None:
         if self._socket()._loop is not asyncio.get_running_loop():
@@ -559,6 +570,9 @@ class RemoteClient(_Base):
         except (TypeError, ValueError, OverflowError) as exc:  # e.g. numpy ints in a list: nothing is registered
             raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
                                  code="bad_field", request_id=request_id) from None
+        if self._max_send is not None and len(header) > self._max_send:
+            raise InvalidRequest(f"generate {request_id!r}: {len(header)} bytes, over the {self._max_send} bytes the "
+                                 "fleet reads from a client", code="too_large", request_id=request_id)
         self._sinks[request_id] = sink
         try:
             self._post(header)

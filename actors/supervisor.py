@@ -1214,7 +1214,8 @@ class Supervisor:
                 self._batch_clients[identity] = None  # the newest last
                 if len(self._batch_clients) > MAX_BATCH_CLIENTS:
                     del self._batch_clients[next(iter(self._batch_clients))]
-            self._reply_client(identity, Reply(id=msg.id, data={"batch": msg.batch}))
+            self._reply_client(identity, Reply(id=msg.id, data={
+                "batch": msg.batch, "max_message_bytes": self.config.max_client_message_bytes}))
         else:
             self._reply_client(identity, Error(id=msg.id, code="unknown_type",
                                                message=f"clients may not send {msg.TYPE.value!r}"))

@@ -68,6 +68,7 @@ class LoopSocket:
         self._drain_scheduled = False
         self._draining = False
         self._closed = False
+        self.batch_bytes = BATCH_BYTES  # a batch is sent early once its messages reach this many bytes
         # Posted messages: route (None on a DEALER) -> [encoded messages, their total bytes]
         self._posted: dict[bytes | None, list[Any]] = {}
         self._turn_scheduled = False
@@ -154,7 +155,7 @@ class LoopSocket:
                 return
             self._posted[route] = [[encoded], len(encoded)]
             return
-        if queue[1] + len(encoded) > BATCH_BYTES:  # full: it goes now, and this message starts the next
+        if queue[1] + len(encoded) > self.batch_bytes:  # full: it goes now, and this message starts the next
             self._posted[route] = [[encoded], len(encoded)]
             self._send_posted(route, queue[0])
             return

@@ -73,7 +73,7 @@ async def test_hello_with_batch_packs_answers_and_takes_batches_one_bad_message_
         try:
             await raw.send(codec.encode(Hello(id="h1", batch=True)))
             hello = (await raw.answers({"h1"}))["h1"]
-            assert hello["type"] == "reply" and hello["data"] == {"batch": True}
+            assert hello["type"] == "reply" and hello["data"] == {"batch": True, "max_message_bytes": 64 << 20}
 
             # 200 requests in 4 batch frames; one bad request and one nested batch among them.
             ids = [f"r{i}" for i in range(200)]
@@ -137,7 +137,7 @@ async def test_a_client_that_never_said_hello_never_receives_a_batch_but_may_sen
             assert bad["type"] == "error" and bad["code"] == "bad_field"
             # hello without batch: the answer says no, and answers still come one to a frame
             await raw.send(codec.encode(Hello(id="h0", batch=False)))
-            assert (await raw.answers({"h0"}))["h0"]["data"] == {"batch": False}
+            assert (await raw.answers({"h0"}))["h0"]["data"] == {"batch": False, "max_message_bytes": 64 << 20}
             await raw.send(codec.batch_frame([generate(f"after{i}", [i + 1], 1) for i in range(40)]))
             await raw.answers({f"after{i}" for i in range(40)})
             assert {f["type"] for f in raw.frames} == {"error", "reply", "result"}
@@ -155,7 +155,7 @@ async def test_the_fleet_remembers_a_bounded_number_of_batch_clients_the_oldest_
         try:
             for k, raw in enumerate(clients):  # in this order: the first is the oldest
                 await raw.send(codec.encode(Hello(id=f"h{k}", batch=True)))
-                assert (await raw.answers({f"h{k}"}))[f"h{k}"]["data"] == {"batch": True}
+                assert (await raw.answers({f"h{k}"}))[f"h{k}"]["data"] == {"batch": True, "max_message_bytes": 64 << 20}
             assert len(sup._batch_clients) == 2
             for k, raw in enumerate(clients):
                 raw.frames.clear()
@@ -354,3 +354,22 @@ def test_a_remote_client_dropped_without_close_does_not_hang_the_collector(tmp_p
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert out.returncode == 0 and "collected" in out.stdout, out.stderr[-2000:]
+
+
+async def test_a_remote_client_keeps_to_the_fleets_message_limit_and_refuses_what_cannot_fit():
+    # With a small client message limit a request over it was refused by the fleet under the
+    # id "" (it could not be read), which the client could not match: the call waited forever.
+    # Batches of requests that each fit could pass it together in the same way.
+    from rollfleet.errors import InvalidRequest
+
+    config = FleetConfig(engine="echo", num_workers=2, max_client_message_bytes=2048)
+    async with Supervisor(config) as sup:
+        async with RemoteClient(sup.frontend_address, request_timeout_s=30) as remote:
+            with pytest.raises(InvalidRequest) as info:
+                await asyncio.wait_for(remote.generate("big", [1000] * 1000, SamplingParams(max_tokens=1)), 10)
+            assert info.value.code == "too_large" and "2048" in str(info.value)
+            prompts = [[1000 + i] * 100 for i in range(64)]  # ~300 bytes each: 64 of them in one turn
+            results = await asyncio.wait_for(
+                remote.generate_batch(prompts, SamplingParams(max_tokens=2)), 30)
+            assert [r.token_ids for r in results] == [echo_tokens(p, 2) for p in prompts]
+            assert sup._drops.counts.get("bad_client_frame", 0) == 0

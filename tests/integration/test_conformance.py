@@ -275,7 +275,7 @@ def test_node_client_says_hello_then_sends_and_reads_batches(tools, server):
     before, hello, batch, stats = (json.loads(line) for line in out.stdout.splitlines())
     assert [r["token_ids"] for r in before["results"]] == [echo_tokens([1, 2, i], 1) for i in range(10)]
     assert before["frames"] == 10
-    assert hello == {"cmd": "hello", "reply": {"batch": True}}
+    assert hello == {"cmd": "hello", "reply": {"batch": True, "max_message_bytes": 64 << 20}}
     assert "error" not in batch, batch
     assert [r["token_ids"] for r in batch["results"]] == [echo_tokens([3, 4, i], 2) for i in range(100)]
     assert {r["finish_reason"] for r in batch["results"]} == {"length"}

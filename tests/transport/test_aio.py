@@ -62,7 +62,7 @@ async def test_the_first_post_goes_at_once_and_the_rest_of_the_iteration_as_one_
     lsock.close()
 
 
-async def test_batches_are_cut_by_count_and_by_bytes(pair, monkeypatch):
+async def test_batches_are_cut_by_count_and_by_bytes(pair):
     router, dealer = pair
     lsock = LoopSocket(router, lambda frames: None)
     msgs = [Chunk(id=f"r{i}", token_ids=[i]) for i in range(1 + aio.BATCH_COUNT * 2 + 3)]
@@ -73,7 +73,7 @@ async def test_batches_are_cut_by_count_and_by_bytes(pair, monkeypatch):
     assert [len(b) for b in got] == [1, aio.BATCH_COUNT, aio.BATCH_COUNT, 3]
     assert [m for b in got for m in b] == msgs
 
-    monkeypatch.setattr(aio, "BATCH_BYTES", 3000)
+    lsock.batch_bytes = 3000  # (aio.BATCH_BYTES by default)
     big = [Chunk(id=f"b{i}", token_ids=list(range(1000, 1500))) for i in range(5)]  # ~1.5 kB each
     for m in big:
         lsock.post(b"peer", codec.encode(m))
