@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["main"]
 
@@ -76,6 +76,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     from .errors import RolloutError
 
+    bad = None
+    if args.model is not None and args.engine == "echo":
+        bad = "the echo engine takes no --model"
+    elif args.model is not None and not os.path.isdir(args.model):
+        bad = f"--model {args.model}: not a directory"
+    if bad is not None:  # as the parser says it
+        print(f"rollfleet demo: error: {bad} (see rollfleet demo --help)", file=sys.stderr)
+        return 2
+
     try:
         summary = _run(run_demo(engine=args.engine, num_workers=args.workers, num_requests=args.requests,
                                 max_tokens=args.max_tokens, model=args.model, update_weights=not args.no_update))
@@ -83,8 +92,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print("rollfleet demo: interrupted", file=sys.stderr)
         return 130
     except (RolloutError, ValueError, OSError) as exc:  # a fleet that cannot start, a bad model directory
-        print(f"rollfleet demo: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr)
+        # One line; a worker that could not start adds the end of its output below it.
+        print(f"rollfleet demo: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     # Exit 1 when a rollout or the weight update failed (the aborted request is the demo's own).
     return 0 if summary.get("failed") == "0" and summary.get("weight update") != "failed" else 1
@@ -154,8 +163,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return _run(serve(args))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad options: one line on stderr and exit 2 (the usage is what --help is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollfleet", description="Run LLM rollout engines for RL training, without Ray.")
+    parser = OneLineParser(prog="rollfleet", description="Run LLM rollout engines for RL training, without Ray.")
     parser.add_argument("--log-level", default=logging.WARNING, type=log_level,
                         help="Logging level of rollfleet's messages on stderr: DEBUG, INFO, WARNING, ERROR, "
                              "CRITICAL (any case) or a number (default WARNING).")
@@ -206,10 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 done, 1 failed, 2 bad options)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.engine == "echo" and args.model is not None:
-        parser.error("demo: the echo engine takes no --model")
-    if args.command == "demo" and args.model is not None and not os.path.isdir(args.model):
-        parser.error(f"demo: --model {args.model}: not a directory")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("rollfleet").setLevel(args.log_level)
     return int(args.func(args) or 0)

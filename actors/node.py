@@ -349,7 +349,9 @@ def connect_store(address: str, timeout_s: float) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollfleet.actors.node",
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m rollfleet.actors.node",
                                      description="Run this node's rollfleet workers for a fleet on another host.")
     parser.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix the supervisor published under")

@@ -24,6 +24,11 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("demo", "--workers", "0"),
     ("demo", "--max-tokens", "x"),
     ("demo", "--engine", "echo", "--model", "/tmp"),
+    ("demo", "--model", "/nonexistent"),
+    ("stats",),
+    ("bogus",),
+    (),
+    ("serve", "--engine", "nope"),
     ("--log-level", "bogus", "keys", "/nonexistent/k"),
     ("stats", "tcp://127.0.0.1:1", "--timeout", "0"),
     ("stats", "notanaddress"),
@@ -42,8 +47,8 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     out = run(*args)
     assert out.returncode == 2, (args, out.stderr)
     assert "Traceback" not in out.stderr
-    lines = [line for line in out.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
-    assert len(lines) == 1, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no usage block: --help is for that
+    assert out.stderr.startswith("rollfleet"), out.stderr
 
 
 def test_log_level_takes_any_case_and_numbers():
@@ -113,7 +118,8 @@ def test_node_agent_checks_its_options_before_reaching_the_store(args):
     out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", *args], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("python -m rollfleet.actors.node: error:")
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("python -m rollfleet.actors.node: error:")
 
 
 def test_node_agent_without_a_store_is_one_line_exit_1():
@@ -121,3 +127,11 @@ def test_node_agent_without_a_store_is_one_line_exit_1():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("rollfleet node: 127.0.0.1:1: ")
+
+
+def test_demo_whose_worker_cannot_start_says_why_then_shows_the_workers_output(tmp_path):
+    out = run("demo", "--workers", "1", "--model", str(tmp_path))  # a directory with no model in it
+    assert out.returncode == 1 and "Traceback (most recent call last)" not in out.stderr.splitlines()[0], out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("rollfleet demo: WorkerStartError: worker w0-0 failed to start"), out.stderr
+    assert len(lines) > 1  # the end of the worker's own output follows
