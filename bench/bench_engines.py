@@ -15,7 +15,7 @@ Requests: ``--requests`` prompts of 8 to 32 tokens (seeded), greedy, ``ignore_eo
 machine's load hits both alike; a path's tokens/s is the median over rounds. The tokens
 each path returns are compared too: greedy decoding must give the same tokens either way.
 
-    python bench/bench_engines.py --quick --json bench/out/bench_engines.json   # about a minute
+    python bench/bench_engines.py --quick --json bench/out/bench_engines.json   # 1-2 minutes on 2 cores
     python bench/bench_engines.py --json bench/out/bench_engines.json
     python bench/bench_engines.py --engines torch --quick                        # no vLLM
 

@@ -39,7 +39,7 @@ the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off
 supervisor's CPU copy for restarted workers is not timed. Each receiver count and a plain
 memcpy of the same bytes are timed in turns after a warm-up; the best of 6 (full: 9) counts.
 
-    python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # ~1 min on 2 cores
+    python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # 1-2 min on 2 cores
     python bench/bench_scaling.py --json bench/out/bench_scaling.json           # a few minutes
 
 Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_{n}w``,

@@ -310,20 +310,42 @@ async def fleet_curves(folder: str, weights, buckets: list[int], gloo_buckets: l
     return curves
 
 
+TRANSPORTS = ("shm", "gloo", "cuda_ipc")
+
+
+def _sizes(text: str) -> str:
+    """An argparse type: comma-separated positive ints (MiB)."""
+    try:
+        if all(int(b) > 0 for b in text.split(",")):
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected comma-separated sizes in MiB (e.g. 64,256), got {text!r}")
+
+
+def _transports(text: str) -> str:
+    """An argparse type: comma-separated names out of TRANSPORTS."""
+    unknown = sorted(set(text.split(",")) - set(TRANSPORTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {', '.join(unknown)}; the transports are "
+                                         f"{', '.join(TRANSPORTS)}")
+    return text
+
+
 def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--total-gb", type=float, default=None,
                    help="GiB of weights per CPU update, 1 to 4 suggested (not checked); the checkpoint holds "
                         "whole layers, so the bytes moved differ a little (default 1: about 1.01 GiB; with "
                         "--quick 400 MiB asked for, about 450 MiB moved)")
-    p.add_argument("--buckets-mb", default=None,
+    p.add_argument("--buckets-mb", default=None, type=_sizes,
                    help="comma-separated bucket sizes in MiB (default 64,128,256,512,1024; with --quick 64,256)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed updates per row and bucket size, the best counts (default 2; cuda_ipc rows: at least 20)")
     p.add_argument("--cuda-total-gb", type=float, default=4.0,
                    help="GiB of weights per cuda_ipc update (default 4, with --quick too; on the GPU, twice: "
                         "sender and engine)")
-    p.add_argument("--transports", default="shm,gloo,cuda_ipc",
+    p.add_argument("--transports", default="shm,gloo,cuda_ipc", type=_transports,
                    help="comma-separated (default shm,gloo,cuda_ipc); cuda_ipc runs only with a GPU; "
                         "shm/gloo need transformers")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -394,17 +416,19 @@ def main() -> None:
               f"buffered {result['cuda_ipc_buffered_vs_d2d']:.2f}")
     if args.json:
         write_json(args.json, result)
+        print(f"wrote {args.json}")
     path = png_path(args)
-    if path:
-        plot(path, curves, result, nbytes)
+    if path and plot(path, curves, result, nbytes):
+        print(f"wrote {path}")
 
 
-def plot(path: str, curves: dict, result: dict, nbytes: int) -> None:
+def plot(path: str, curves: dict, result: dict, nbytes: int) -> bool:
+    """Draw the curves into ``path``; False when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
         print(f"matplotlib is not installed: no plot at {path}")
-        return
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -424,6 +448,7 @@ def plot(path: str, curves: dict, result: dict, nbytes: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -123,3 +123,16 @@ def test_report_compares_against_baselines_and_marks_each_machine(tmp_path):
     assert "| bench_weights | cuda_ipc transport | one device-to-device copy | 0.80x | ratio >= 0.7 | yes | B |" in text
     # bench_weights was not in this folder: it was not run here, and that is said too.
     assert "`bench_weights`: not run: no readable JSON" in text
+
+
+def test_report_units_follow_what_each_key_measures():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from report_md import fmt
+    finally:
+        sys.path.pop(0)
+    assert fmt("paced_tokens_per_s", 200.0) == "200 tok/s"  # a rate, not seconds
+    assert fmt("useful_per_cpu_s_resume", 2553.0) == "2,553 tok/CPU-s"
+    assert fmt("update_s_4w", 0.5) == "0.5 s"
+    assert fmt("p99_us_16w", 35865.0) == "35,865 us"
+    assert fmt("fleet_vs_raw_p50", 1.2) == "1.2"
