@@ -191,7 +191,7 @@ class _Base:
         first failure is raised once the batch's other requests are cancelled (stopped on their
         workers; their partial output is dropped), as they are when the call itself is
         cancelled. Arguments are checked before any request is sent: a bad one raises
-        InvalidRequest and starts nothing.
+        InvalidRequest (DuplicateRequest for an id given twice) and starts nothing.
         """
         prompts = list(prompts)
         if request_ids is None:

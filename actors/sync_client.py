@@ -51,9 +51,9 @@ class SyncClient:
     """A fleet and a blocking client of it, for code without an event loop (a torchrun rank's
     training loop). The fleet runs on a loop in a background thread; every method waits for
     its answer, and may be called from any thread. Requests and their errors are those of
-    LLMClient (``generate``, ``generate_batch``, ``stream``, ``abort``, ``abort_all``); ``update_weights``,
-    ``sleep``/``wake_up``, ``training()``, ``control``, ``stats`` and ``shutdown`` those of the
-    Supervisor."""
+    LLMClient (``generate``, ``generate_batch``, ``stream``, ``abort``, ``abort_all``);
+    ``update_weights``, ``sleep``/``wake_up``, ``training()``, ``control``, ``stats`` and
+    ``shutdown`` those of the Supervisor."""
 
     def __init__(self, config: FleetConfig | None = None, *, start_timeout_s: float | None = None, **overrides: Any):
         """Start the fleet and return once every worker is ready. Raises WorkerStartError."""
