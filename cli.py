@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Local model directory for torch and vllm (default: a tiny built-in random Llama); "
                            "echo takes none.")
     demo.add_argument("--no-update", action="store_true", help="Skip the weight update in the middle of the batch.")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, command_parser=demo)
 
     stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).")
     stats.add_argument("address", type=fleet_address,
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Seconds to wait for the answer (default 10).")
     stats.add_argument("--keys-dir", default=None, metavar="DIR",
                        help="CurveZMQ keys (from `rollfleet keys`) when the fleet requires them.")
-    stats.set_defaults(func=_cmd_stats)
+    stats.set_defaults(func=_cmd_stats, command_parser=stats)
 
     keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
     keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/: "
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--force", action="store_true",
                       help="Replace keys already in DIRECTORY (clients given the old keys are then refused). "
                            "Default: refuse and exit 1.")
-    keys.set_defaults(func=_cmd_keys)
+    keys.set_defaults(func=_cmd_keys, command_parser=keys)
 
     try:
         from .serve import add_arguments
@@ -214,14 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     if add_arguments is not None:
         serve = sub.add_parser("serve", help="Run a fleet and serve its client socket until SIGINT/SIGTERM.")
         add_arguments(serve)
-        serve.set_defaults(func=_cmd_serve)
+        serve.set_defaults(func=_cmd_serve, command_parser=serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 done, 1 failed, 2 bad options)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command they were given to, so that its --help is the one named
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("rollfleet").setLevel(args.log_level)
     return int(args.func(args) or 0)

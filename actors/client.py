@@ -89,7 +89,11 @@ def _prompt(prompt_ids: Any) -> list[int]:
         if type(prompt_ids) is not list:
             raise InvalidRequest("prompt_ids must be one-dimensional", code="bad_field")
         return prompt_ids
-    return list(prompt_ids)
+    try:
+        return list(prompt_ids)
+    except TypeError:
+        raise InvalidRequest(f"prompt_ids must be a list of token ids, not {type(prompt_ids).__name__}",
+                             code="bad_field") from None
 
 
 def _check_id(request_id: Any) -> None:
@@ -137,6 +141,7 @@ class _Base:
         FleetClosed.
         """
         _check_id(request_id)
+        _check_session(session_id)
         if timeout is None:
             timeout = self.default_timeout_s
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
@@ -190,8 +195,9 @@ class _Base:
         ``return_exceptions`` a failed request's slot holds its RolloutError. Without it, the
         first failure is raised once the batch's other requests are cancelled (stopped on their
         workers; their partial output is dropped), as they are when the call itself is
-        cancelled. Arguments are checked before any request is sent: a bad one raises
-        InvalidRequest (DuplicateRequest for an id given twice) and starts nothing.
+        cancelled. The ids, their number and the sampling parameters are checked before any
+        request is sent (InvalidRequest, DuplicateRequest for an id given twice); a prompt the
+        fleet refuses fails like any other request, after earlier ones may have started.
         """
         prompts = list(prompts)
         if request_ids is None:
@@ -250,6 +256,7 @@ class _Base:
                    session_id: str | None, resume: bool | None, timeout: float | None
                    ) -> AsyncIterator[StreamChunk | GenerationResult]:
         _check_id(request_id)
+        _check_session(session_id)
         if timeout is None:
             timeout = self.default_timeout_s
         queue: asyncio.Queue[Message] = asyncio.Queue()
@@ -512,9 +519,10 @@ class RemoteClient(_Base):
             # a bug (of this client, or of the fleet).
             logger.warning("the fleet could not read a message of this client: %s: %s", msg.code, msg.message)
 
-    async def _send(self, msg: Message) -> None:
-        # (header,)
-        self._post(codec.encode(msg))
+    def _check_size(self, what: str, encoded: bytes, request_id: str | None = None) -> None:
+        if self._max_send is not None and len(encoded) > self._max_send:
+            raise InvalidRequest(f"{what}: {len(encoded)} bytes, over the {self._max_send} bytes the fleet reads from "
+                                 "a client", code="too_large", request_id=request_id)
 
     def _post(self, encoded: bytes) -> None:
         sock = self._socket()
@@ -570,9 +578,7 @@ class RemoteClient(_Base):
         except (TypeError, ValueError, OverflowError) as exc:  # e.g. numpy ints in a list: nothing is registered
             raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
                                  code="bad_field", request_id=request_id) from None
-        if self._max_send is not None and len(header) > self._max_send:
-            raise InvalidRequest(f"generate {request_id!r}: {len(header)} bytes, over the {self._max_send} bytes the "
-                                 "fleet reads from a client", code="too_large", request_id=request_id)
+        self._check_size(f"generate {request_id!r}", header, request_id)
         self._sinks[request_id] = sink
         try:
             self._post(header)
@@ -588,10 +594,17 @@ class RemoteClient(_Base):
 
     async def _call(self, msg: Message) -> dict[str, Any]:
         self._on_own_loop()
+        hello = self._hello
+        if type(msg) is not Hello and hello is not None and not hello.done():
+            # After the requests that wait for it: an abort must not overtake its request.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(hello)
+        encoded = codec.encode(msg)
+        self._check_size(msg.TYPE.value, encoded)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[msg.id] = fut
         try:
-            await self._send(msg)
+            self._post(encoded)
             return await asyncio.wait_for(fut, self.call_timeout_s)
         except asyncio.TimeoutError:
             why = "" if self._up else f": no connection to a fleet at {self.address} came up (is one serving there?)"

@@ -710,6 +710,25 @@ class Supervisor:
             task = asyncio.create_task(self._catch_up(handle), name=f"rollfleet-catch-up-{handle.worker_id}")
             self._tasks.append(task)
             return
+        self._ready_as_the_fleet(handle)
+
+    def _ready_as_the_fleet(self, handle: WorkerHandle) -> None:
+        """Mark a worker ready; one that comes up (a restart) while a sleep or a pause is in force
+        is first put to sleep or paused like the others, so that it does not serve meanwhile."""
+        if not (self._sleep_level or self._engines_paused):
+            self._mark_ready(handle)
+            return
+        task = asyncio.create_task(self._hold_then_ready(handle), name=f"rollfleet-hold-{handle.worker_id}")
+        self._tasks.append(task)
+
+    async def _hold_then_ready(self, handle: WorkerHandle) -> None:
+        ops = ([("sleep", {"level": self._sleep_level})] if self._sleep_level else []) + \
+              ([("pause", {})] if self._engines_paused else [])
+        for op, args in ops:
+            try:
+                await handle.call(Control(id=handle.next_call_id(), op=op, args=args), self.config.call_timeout_s)
+            except Exception as exc:  # an engine without the op serves as it would have before
+                logger.warning("worker %s came up during a %s and could not be given it: %s", handle.worker_id, op, exc)
         self._mark_ready(handle)
 
     async def _catch_up(self, handle: WorkerHandle) -> None:
@@ -720,7 +739,7 @@ class Supervisor:
             handle.last_error = f"catch-up failed: {exc}"
             handle.proc.kill()
             return
-        self._mark_ready(handle)
+        self._ready_as_the_fleet(handle)
 
     def _mark_ready(self, handle: WorkerHandle) -> None:
         if not handle.alive:
@@ -1017,7 +1036,8 @@ class Supervisor:
             check_control_args(op, args or {})
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="bad_field") from None
-        # before the call: tokens stop as soon as an engine obeys
+        # before the call: tokens stop as soon as an engine obeys (put back if the op fails)
+        held = self._sleep_level, self._engines_paused
         if op == "sleep":
             self._sleep_level = int((args or {}).get("level", 1))
         elif op == "pause":
@@ -1030,6 +1050,8 @@ class Supervisor:
         )
         out: dict[str, Any] = {}
         for h, res in zip(handles, results):
+            if isinstance(res, BaseException):
+                self._sleep_level, self._engines_paused = held
             if isinstance(res, Unsupported):
                 raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
             if isinstance(res, BaseException):

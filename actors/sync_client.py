@@ -174,7 +174,8 @@ class SyncClient:
         finally:
             if not finished.is_set() and not self._closed:
                 fut.cancel()  # cancels pump on the loop: the stream's own close aborts the request
-                finished.wait(5)
+                if threading.get_ident() != self._thread.ident:  # (collected on the loop's thread: it cannot wait)
+                    finished.wait(5)
 
     def abort(self, request_id: str) -> bool:
         return self._call(self.client.abort(request_id))

@@ -29,6 +29,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("bogus",),
     (),
     ("serve", "--engine", "nope"),
+    ("serve", "--bogus"),
     ("--log-level", "bogus", "keys", "/nonexistent/k"),
     ("stats", "tcp://127.0.0.1:1", "--timeout", "0"),
     ("stats", "notanaddress"),
@@ -135,3 +136,9 @@ def test_demo_whose_worker_cannot_start_says_why_then_shows_the_workers_output(t
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("rollfleet demo: WorkerStartError: worker w0-0 failed to start"), out.stderr
     assert len(lines) > 1  # the end of the worker's own output follows
+
+
+def test_an_unknown_option_is_said_by_the_command_it_was_given_to():
+    out = run("serve", "--bogus")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "rollfleet serve: error: unrecognized arguments: --bogus (see rollfleet serve --help)")

@@ -368,8 +368,26 @@ async def test_a_remote_client_keeps_to_the_fleets_message_limit_and_refuses_wha
             with pytest.raises(InvalidRequest) as info:
                 await asyncio.wait_for(remote.generate("big", [1000] * 1000, SamplingParams(max_tokens=1)), 10)
             assert info.value.code == "too_large" and "2048" in str(info.value)
+            # calls too: refused before they go, instead of waiting out call_timeout_s
+            for call in (lambda: remote.abort("x" * 4000), lambda: remote.abort_all("s" * 4000),
+                         lambda: remote.control("start_profile", trace_dir="d" * 4000)):
+                with pytest.raises(InvalidRequest) as info:
+                    await asyncio.wait_for(call(), 5)
+                assert info.value.code == "too_large"
             prompts = [[1000 + i] * 100 for i in range(64)]  # ~300 bytes each: 64 of them in one turn
             results = await asyncio.wait_for(
                 remote.generate_batch(prompts, SamplingParams(max_tokens=2)), 30)
             assert [r.token_ids for r in results] == [echo_tokens(p, 2) for p in prompts]
             assert sup._drops.counts.get("bad_client_frame", 0) == 0
+
+
+async def test_an_abort_made_while_the_first_hello_is_on_its_way_does_not_overtake_its_request():
+    from rollfleet.errors import RequestTimeout  # noqa: F401  (what the overtaken request ended with)
+
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 50})) as sup:
+        async with RemoteClient(sup.frontend_address, request_timeout_s=10) as remote:
+            task = asyncio.create_task(remote.generate("r1", [1], SamplingParams(max_tokens=1000)))
+            await asyncio.sleep(0)  # r1 now waits for the client's first hello
+            assert await asyncio.wait_for(remote.abort("r1"), 5) is True
+            result = await asyncio.wait_for(task, 5)
+            assert result.finish_reason == "abort"

@@ -365,6 +365,7 @@ async def test_vllm_controls_profile_clear_cache_stats_and_unsupported_sleep(vll
     assert r.token_ids == hf_greedy(hf_new, PROMPTS[0])
 
     stats = await client.stats()
+    assert stats["sleep_level"] == 0  # the refused sleep is not reported as in force
     (worker,) = stats["workers"]
     assert worker["engine"] == "vllm" and "sleep" not in worker["capabilities"]
     assert {"profile", "clear_kv_cache", "load_weights"} <= set(worker["capabilities"])

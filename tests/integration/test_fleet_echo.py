@@ -547,6 +547,8 @@ async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_befo
                     ((prompts[:2],), {"request_ids": ["a", ""]}, InvalidRequest),
                     (([[1], "text"],), {}, InvalidRequest),
                     ((prompts[:2], {"max_new_tokens": 3}), {}, InvalidRequest),
+                    (([1, 2, 3],), {}, InvalidRequest),  # one prompt given flat, not a list of prompts
+                    ((prompts[:2],), {"session_id": 5}, InvalidRequest),
                 ):
                     with pytest.raises(error):
                         await client.generate_batch(*args, **kwargs)

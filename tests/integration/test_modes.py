@@ -116,3 +116,32 @@ async def test_zmq_transport_carries_bucket_bytes_as_frames_into_a_real_engine()
         ids = model.generate(torch.tensor([[1, 9, 33]]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
     assert result.token_ids == ids[0, 3:].tolist() and result.weight_versions == [1]
+
+
+async def test_a_worker_restarted_while_the_fleet_sleeps_and_is_paused_comes_back_asleep_and_paused():
+    import os
+    import signal
+
+    from ..helpers import wait_for
+
+    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2,
+                                      engine_options={"tokens_per_s": 100})) as sup:
+        client = sup.client()
+        await client.sleep(2)
+        await client.control("pause")
+        victim = sup.slots[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 15)
+        stats = await sup.stats()
+        assert [(w["engine_stats"]["sleeping"], w["engine_stats"]["paused"]) for w in stats["workers"]] == \
+            [(True, True), (True, True)]
+        # paused: a request waits on every worker, the restarted one too, until resume
+        tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=3)))
+                 for i in range(4)]
+        await asyncio.sleep(0.5)
+        assert not any(t.done() for t in tasks)
+        await client.control("resume")
+        await client.wake_up()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(4)]
+        assert {r.worker for r in results} <= {w["worker_id"] for w in stats["workers"]}
