@@ -722,13 +722,25 @@ class Supervisor:
         self._tasks.append(task)
 
     async def _hold_then_ready(self, handle: WorkerHandle) -> None:
-        ops = ([("sleep", {"level": self._sleep_level})] if self._sleep_level else []) + \
-              ([("pause", {})] if self._engines_paused else [])
-        for op, args in ops:
-            try:
-                await handle.call(Control(id=handle.next_call_id(), op=op, args=args), self.config.call_timeout_s)
-            except Exception as exc:  # an engine without the op serves as it would have before
-                logger.warning("worker %s came up during a %s and could not be given it: %s", handle.worker_id, op, exc)
+        # Until it is ready, fleet-wide control ops pass it by: whatever changed while it was
+        # being held (a wake_up, a resume) is applied to it too before it serves.
+        slept, paused = 0, False
+        while handle.alive:
+            want = self._sleep_level, self._engines_paused
+            ops = []
+            if want[0] != slept:
+                ops.append(("sleep", {"level": want[0]}) if want[0] else ("wake_up", {}))
+            if want[1] != paused:
+                ops.append(("pause", {}) if want[1] else ("resume", {}))
+            if not ops:
+                break
+            for op, args in ops:
+                try:
+                    await handle.call(Control(id=handle.next_call_id(), op=op, args=args), self.config.call_timeout_s)
+                except Exception as exc:  # an engine without the op serves as it would have before
+                    logger.warning("worker %s came up during a sleep or pause and could not be given %s: %s",
+                                   handle.worker_id, op, exc)
+            slept, paused = want
         self._mark_ready(handle)
 
     async def _catch_up(self, handle: WorkerHandle) -> None:
