@@ -107,3 +107,12 @@ def test_print_table_aligns_columns(capsys):
     assert lines[0] == "t"
     assert len({len(line) for line in lines[1:]}) == 1  # every row as wide as the header
     assert lines[-1].endswith("-") and "1,234" in lines[-2]
+
+
+@pytest.mark.parametrize("args", [("--buckets-mb", "abc"), ("--buckets-mb", "64,0"), ("--transports", "foo"),
+                                  ("--transports", "shm,nccl")])
+def test_bench_weights_refuses_bad_sizes_and_unknown_transports_before_measuring(args):
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_weights.py"), *args], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"argument {args[0]}" in out.stderr
