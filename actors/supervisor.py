@@ -879,7 +879,7 @@ class Supervisor:
         entry = self.table.by_inner(msg.id)
         if entry is None:
             return  # cancelled or already finished: late tokens are dropped
-        if entry.worker_id != handle.worker_id and self._foreign(handle, entry, msg):
+        if entry.worker_id != handle.worker_id and self._foreign(handle, entry, msg):  # (compared first: hot path)
             return
         if not msg.token_ids:
             return
@@ -1064,9 +1064,8 @@ class Supervisor:
         for h, res in zip(handles, results):
             if isinstance(res, BaseException):
                 self._sleep_level, self._engines_paused = held
-            if isinstance(res, Unsupported):
-                raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
-            if isinstance(res, BaseException):
+                if isinstance(res, Unsupported):
+                    raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
                 raise res
             out[h.worker_id] = res
         if op == "wake_up":

@@ -16,7 +16,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -35,7 +34,6 @@ __all__ = ["SyncClient"]
 
 logger = logging.getLogger(__name__)
 
-_ids = itertools.count()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -62,8 +60,6 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._prefix = f"sync{next(_ids)}-"
-        self._counter = itertools.count()
         try:
             self._call(self.supervisor.start(), start_timeout_s)
         except BaseException:
@@ -122,9 +118,6 @@ class SyncClient:
         requests are cancelled (stopped on their workers; their partial output is dropped),
         as they are when the call is given up (``timeout``, shutdown).
         """
-        prompts = list(prompts)
-        if request_ids is None:
-            request_ids = [f"{self._prefix}{next(self._counter)}" for _ in prompts]
         return self._call(self.client.generate_batch(prompts, sampling_params, request_ids=request_ids,
                                                      timeout=timeout, return_exceptions=return_exceptions,
                                                      **kwargs))

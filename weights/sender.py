@@ -441,10 +441,13 @@ class WeightSender:
         """``weights_end {commit: false}`` to every worker (PROTOCOL.md 6.8). The one that failed
         is told too, so that it drops what it staged, but not waited for: it may be dead or hung."""
         msg = WeightsEnd(id=f"{uid}.abort", version=version, commit=False)
+        waited = []
         for link in links:
             if link.worker_id == failed:
                 asyncio.ensure_future(link.call(msg, timeout=self.config.abort_timeout_s)).add_done_callback(_retrieve)
-        links = [link for link in links if link.worker_id != failed]
+            else:
+                waited.append(link)
+        links = waited
         results = await asyncio.gather(
             *(link.call(msg, timeout=self.config.abort_timeout_s) for link in links), return_exceptions=True
         )
