@@ -113,10 +113,12 @@ class FleetConfig:
     weights: dict[str, Any] = field(default_factory=dict)
     """Weight transfer settings (weights.WeightSyncConfig fields: bucket_bytes, transport, ...)."""
     keep_last_weights: bool = True
-    """Keep a CPU copy of the last update so a restarted worker (or one a failed update left
-    with part of its tensors) can be brought to it. Turn off for big models and pass
-    update_weights a callable that yields the tensors instead: with neither, such a worker
-    serves its initial weights (version 0, as its results say) until the next update."""
+    """Keep a CPU copy of every tensor updates sent, each as last sent, so a restarted worker
+    (or one a failed update left with part of its tensors) can be brought to the current
+    version: its initial weights plus these, partial and empty updates included. Turn off for
+    big models and pass update_weights a callable that yields all the tensors instead: with
+    neither, such a worker serves its initial weights (version 0, as its results say) until
+    the next update."""
     stall_timeout_s: float | None = None
     """A running request that gets no token for this long while its worker still heartbeats
     means a stuck engine: the worker is killed and restarted and its requests resume. Set

@@ -1098,9 +1098,10 @@ class Supervisor:
         ``named_tensors`` yields that is not (str, tensor) pairs fails the same way, with no
         worker named. Generation then resumes on the previous version: a worker that had
         loaded part of the update is given the last good weights again (from the kept copy,
-        ``FleetConfig.keep_last_weights``, or the callable), or, with neither at hand (the
-        fleet's first update, or that option off with tensors that are not a callable), is
-        restarted, which loads its initial weights (version 0); none serves a mix. Also
+        ``FleetConfig.keep_last_weights``, or the callable), or, when these cannot cover what
+        the update reached (the fleet's first update, a tensor no update sent before, or that
+        option off with tensors that are not a callable), is restarted, which loads its
+        initial weights (version 0) and then the kept ones; none serves a mix. Also
         raises Unsupported (e.g. LoRA on an engine without it), FleetClosed, and ValueError (a
         bad version, transport or bucket size; before any request is interrupted).
         """

@@ -9,12 +9,16 @@ The Supervisor owns one WeightSync. An update:
 4. sends the tensors to every ready worker (weights.WeightSender);
 5. resumes dispatching, whatever happened, so a failed update never leaves the fleet stuck.
 
-A worker restarted later is brought to the current version before it serves, from the last
-update's tensors (kept on the CPU when ``keep_last_weights``: two copies used in turn, so a
-failed update never damages the last good one) or from a callable source. A worker left with
-partly applied weights by a failed update is restored the same way; with nothing to restore
-from (the fleet's first update, or ``keep_last_weights=False`` with tensors that are not a
-callable) it is restarted, which loads its initial weights (version 0), never left serving a mix.
+A worker restarted later is brought to the current version before it serves: its engine
+loads its initial weights, then gets every tensor sent since, each as last sent. These are kept
+on the CPU when ``keep_last_weights`` (one copy of each name ever sent, merged update after
+update, so that a partial update or an empty one restores the whole current version; each
+update writes into scratch copies, so a failed one never damages the kept ones), or come from
+the callable the last full update was given as (plus what tensor updates sent after it). A
+worker left with partly applied weights by a failed update is restored the same way when all
+the failed update reached is among what is kept; else (the fleet's first update, a tensor no
+update sent before, or ``keep_last_weights=False`` with tensors that are not a callable) it is
+restarted, which loads its initial weights (version 0), never left serving a mix.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ class WeightSync:
         self.drain_timeout_s = drain_timeout_s
         self._lock = asyncio.Lock()
         self._source: Callable[[], NamedTensors] | None = None
-        self._last: list[tuple[str, Any]] | None = None  # the last good version
-        self._spare: list[tuple[str, Any]] | None = None  # the copy before it, reused as scratch
+        # Every name sent by a committed update since the initial weights (or since _source's
+        # update), with its last tensor: the initial weights plus these are the current version.
+        self._last: dict[str, Any] | None = None
+        self._spare: dict[str, Any] | None = None  # copies no longer kept, reused as scratch
         self._last_lora: dict[str, Any] | None = None
         self.last_report: "UpdateReport | None" = None
         self.num_updates = 0
@@ -75,18 +81,37 @@ class WeightSync:
     async def _catch_up_locked(self, handle: WorkerHandle) -> None:
         if not self.needs_catch_up(handle):
             return
-        from ..weights.bucket import named_pairs
-
         version = self.sup.weight_version
-        tensors = named_pairs(self._source()) if self._source is not None else list(self._last or [])
         logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
-        await self._sender().update(tensors, version, [handle])
+        await self._sender().update(self._restore(), version, [handle])
         handle.weight_version = version
 
-    async def _repair(self, links: list[WorkerHandle]) -> None:
-        """After a failed update: a worker that applied part of it before the failure reports
-        version -1 (its weights are a mix); bring it back to the last good version, or restart
-        it when nothing of that version is at hand (a restart loads the initial weights)."""
+    def _restore(self) -> NamedTensors:
+        """What brings a worker from its initial weights to the current version."""
+        from ..weights.bucket import named_pairs
+
+        kept = dict(self._last or {})
+        if self._source is None:
+            return list(kept.items())
+        source = self._source
+
+        def from_source() -> Iterator[tuple[str, Any]]:
+            for name, tensor in named_pairs(source()):
+                if name not in kept:  # sent again since: the kept copy is the newer
+                    yield name, tensor
+            yield from kept.items()
+
+        return from_source()
+
+    def _can_restore(self, sent: set[str]) -> bool:
+        """Whether every tensor a failed update may have reached a worker with can be put back."""
+        return self._source is not None or (self._last is not None and sent <= self._last.keys())
+
+    async def _repair(self, links: list[WorkerHandle], sent: set[str]) -> None:
+        """After a failed update that had sent the tensors ``sent``: a worker that applied part
+        of it before the failure reports version -1 (its weights are a mix); bring it back to
+        the last good version, or restart it when that cannot be rebuilt (a restart loads the
+        initial weights)."""
         from ..transport.messages import Stats
 
         for handle in links:
@@ -100,8 +125,9 @@ class WeightSync:
             handle.weight_version = int(data.get("weight_version", handle.weight_version))
             if handle.weight_version == self.sup.weight_version:
                 continue
-            if handle.weight_version == -1 and self._source is None and self._last is None:
-                self._restart(handle, "left with partly applied weights, and no copy of the last good ones is kept")
+            if handle.weight_version == -1 and not self._can_restore(sent):
+                self._restart(handle, "left with partly applied weights, and no copy of the last good ones is kept "
+                                      "for all of them")
                 continue
             try:
                 await self._catch_up_locked(handle)
@@ -164,10 +190,13 @@ class WeightSync:
             keep: list[tuple[str, Any]] | None = (
                 [] if self.keep_last_weights and source is None and not keep_lora else None
             )
+            sent: set[str] = set()  # names handed to the sender: what a failure may have reached
             if keep is not None:
-                # Two kept copies, used in turn: this update writes into the older one, so the
-                # last good version stays intact whatever happens to this update.
-                tensors = _tee(tensors, keep, dict(self._spare or []))
+                # This update's copies go into scratch tensors, never into kept ones, so the last
+                # good version stays intact whatever happens to this update.
+                tensors = _tee(tensors, keep, self._spare or {}, sent)
+            else:
+                tensors = _names_into(tensors, sent)
             sup._paused = True
             try:
                 await self._interrupt_and_drain()
@@ -179,16 +208,16 @@ class WeightSync:
                 except WeightUpdateError as exc:
                     self.last_report = getattr(exc, "report", None)
                     logger.error("weight update to version %d failed: %s", version, exc)
-                    await self._repair(links)
+                    await self._repair(links, sent if lora is None else set())
                     raise
                 for h in links:
                     h.weight_version = version
                 sup.weight_version = version
                 if not keep_lora:
-                    self._source = source
-                    if keep is not None:
-                        self._spare, self._last = self._last, keep
-                    else:  # a callable, or nothing kept: an older copy would restore a wrong version
+                    if keep is not None:  # kept copies: they now hold this update's tensors too
+                        self._last, self._spare = _merge(self._last, keep)
+                    else:  # a callable, or nothing kept: older copies would restore a wrong version
+                        self._source = source
                         self._spare = self._last = None
                     # A worker that registered while this update ran was not among its links: it
                     # holds the version before, and is caught up here, before any request reaches it.
@@ -225,17 +254,31 @@ class WeightSync:
             await asyncio.sleep(0.002)
 
 
-def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Pass tensors through while keeping a CPU copy of each (for restarted workers).
+def _names_into(tensors: NamedTensors, sent: set[str]) -> Iterator[tuple[str, Any]]:
+    """Pass tensors through, noting each name in ``sent``."""
+    from ..weights.bucket import check_pair
 
-    The previous update's copies are reused when name, shape and dtype match, so steady-state
-    updates copy into memory that is already there instead of allocating the model anew.
+    for item in tensors:
+        name, tensor = check_pair(item)
+        sent.add(name)
+        yield name, tensor
+
+
+def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], scratch: dict[str, Any],
+         sent: set[str]) -> Iterator[tuple[str, Any]]:
+    """Pass tensors through while keeping a CPU copy of each (for restarted workers), noting
+    each name in ``sent``.
+
+    Scratch copies (the kept ones that an earlier update replaced) are reused when name, shape
+    and dtype match, so steady-state updates copy into memory that is already there instead of
+    allocating the model anew.
     """
     from ..weights.bucket import check_pair
 
     for item in tensors:
         name, tensor = check_pair(item)
-        old = previous.get(name)
+        sent.add(name)
+        old = scratch.get(name)
         src = tensor.detach()
         if old is not None and old.shape == src.shape and old.dtype == src.dtype:
             old.copy_(src)
@@ -243,3 +286,14 @@ def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], previous: dict[str,
         else:
             keep.append((name, src.to("cpu", copy=True)))
         yield name, tensor
+
+
+def _merge(last: dict[str, Any] | None, update: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kept copies after a committed update: every name of ``last`` with this update's
+    tensors in place of those it sent again; and the scratch copies for the next update (the
+    replaced ones, which no kept entry shares)."""
+    fresh = dict(update)
+    kept = dict(last or {})
+    scratch = {name: kept[name] for name in fresh if name in kept}
+    kept.update(fresh)
+    return kept, scratch

@@ -259,6 +259,35 @@ async def test_an_update_in_another_float_width_is_cast_like_vllms_loaders_do():
     assert r.token_ids == hf_greedy(new, PROMPTS[0]) and r.weight_versions == [1]
 
 
+async def test_a_restarted_worker_gets_every_update_so_far_not_only_the_last(model_dir, hf, new_state,
+                                                                           no_leaks_module):
+    # Version 1 replaces every tensor, version 2 only those of one layer (a partial update),
+    # version 3 none (an empty update stamps the version). After each, a worker killed and
+    # restarted must serve what the fleet served: its initial weights plus every tensor sent
+    # since, each as last sent, not its initial weights plus the last update's tensors.
+    layer = {n: t for n, t in tiny_llama_model(seed=2).state_dict().items() if ".layers.1." in n}
+    assert layer and len(layer) < len(new_state)
+    current = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    current.load_state_dict({**new_state, **layer})
+    base_and_layer = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base_and_layer.load_state_dict(layer, strict=False)
+    want = hf_greedy(current, PROMPTS[3])
+    assert want != hf_greedy(base_and_layer, PROMPTS[3]) and want != hf_greedy(hf, PROMPTS[3])
+    cfg = FleetConfig(engine="torch", num_workers=1, engine_options={"model": model_dir}, frontend_addr=None)
+    async with Supervisor(cfg) as sup:
+        client = sup.client()
+        await client.update_weights(list(new_state.items()), version=1)
+        for version, tensors in ((2, layer), (3, {})):
+            await client.update_weights(list(tensors.items()), version=version)
+            r = await client.generate(f"before-{version}", PROMPTS[3], greedy())
+            assert r.token_ids == want and r.weight_versions == [version]
+            victim = sup.slots[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 60)
+            r = await client.generate(f"after-{version}", PROMPTS[3], greedy())
+            assert r.token_ids == want and r.weight_versions == [version]
+
+
 async def test_torch_fleet_refuses_prompts_the_model_cannot_take(torch_fleet, hf):
     await refuses_bad_prompts_and_serves_on(torch_fleet, hf, hf.config.max_position_embeddings, "t")
 

@@ -263,17 +263,49 @@ async def test_update_takes_a_state_dict_and_says_what_is_wrong_with_bad_pairs()
 async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_version():
     async with fleet(2, tokens_per_s=0) as sup:
         client = sup.client()
-        await client.update_weights(offset(0), version=1)
+        # Version 1 holds both names the next update sends (an empty "fail" loads).
+        await client.update_weights(offset(0) + [("fail", torch.zeros(0))], version=1)
         # Bucket 0 holds the new offset (applied at once), bucket 1 the tensor that fails.
         bad = [("offset", torch.tensor([9])), ("fail", torch.zeros(32))]
         with pytest.raises(WeightUpdateError):
             await client.update_weights(bad, version=2, bucket_bytes=64)
-        # The workers briefly held offset 9 under version 1; the fleet put version 1 back.
+        # The workers briefly held offset 9 under version 1; the fleet put version 1 back
+        # from its kept copy, without restarting them.
         assert sup.weight_version == 1
-        assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [1, 1]
+        workers = (await sup.stats())["workers"]
+        assert [(w["weight_version"], w["restarts"]) for w in workers] == [(1, 0), (1, 0)]
         for i in range(4):
             r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
             assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+
+
+async def test_a_failed_update_that_reached_a_tensor_no_update_sent_before_restarts_the_worker():
+    async with fleet(1, tokens_per_s=0) as sup:
+        client = sup.client()
+        await client.update_weights(offset(2), version=1)
+        await client.update_weights([("fail", torch.zeros(0))], version=2)  # a partial update: offset stays 2
+        r = await client.generate("v2", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=2) and r.weight_versions == [2]
+        # Applied before the failure: a new "offset" and a tensor no update sent. The kept
+        # copy (every name sent so far, as last sent) puts "offset" back to 2, not to its
+        # initial 0 as the last update's tensors alone would.
+        bad = [("offset", torch.tensor([9])), ("fail", torch.zeros(32))]
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights(bad, version=3, bucket_bytes=64)
+        r = await client.generate("after", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=2) and r.weight_versions == [2]
+        assert [(w["weight_version"], w["restarts"]) for w in (await sup.stats())["workers"]] == [(2, 0)]
+        # A failed update that reached a name nothing kept holds: it cannot be put back, so
+        # the worker is restarted (initial weights, then every kept tensor: version 2 again).
+        await client.update_weights([("fail", torch.zeros(0))], version=4)
+        with pytest.raises(WeightUpdateError):
+            await client.update_weights([("scale", torch.ones(1)), ("fail", torch.zeros(32))], version=5,
+                                        bucket_bytes=64)
+        r = await client.generate("restarted", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5, offset=2) and r.weight_versions == [4]
+        [worker] = (await sup.stats())["workers"]
+        assert (worker["weight_version"], worker["restarts"]) == (4, 1)
+        assert "partly applied" in worker["last_error"]
 
 
 async def test_requests_queued_in_a_full_engine_resume_too_when_weights_change():
