@@ -140,6 +140,8 @@ class FleetConfig:
         if self.engine not in ENGINE_NAMES:
             raise ValueError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
         check_engine_options(self.engine, self.engine_options)
+        if self.engine in ("vllm", "sglang") and not (self.engine_options or {}).get("model"):
+            raise ValueError(f"the {self.engine} engine needs engine_options['model'] (a model directory or name)")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.devices is not None and len(self.devices) != self.num_workers:

@@ -25,8 +25,39 @@ ENGINE_OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
+# Values checked before a worker starts: (engine or None for all, option) -> (what it must
+# be, test). Others are left to the engine (vLLM's own checks name what is wrong).
+_FLOAT_DTYPES = frozenset({"float32", "float", "float16", "half", "bfloat16", "float64", "double"})
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 1
+
+
+_VALUE_CHECKS: dict[tuple[str | None, str], tuple[str, Any]] = {
+    ("echo", "tokens_per_s"): ("a number >= 0", lambda v: _number(v) and v >= 0),
+    ("echo", "vocab_size"): ("an int >= 1", _count),
+    ("echo", "max_running"): ("an int >= 0", lambda v: type(v) is int and v >= 0),
+    ("echo", "step_tokens"): ("an int >= 1", _count),
+    ("torch", "dtype"): (f"one of {', '.join(sorted(_FLOAT_DTYPES))}", lambda v: v in _FLOAT_DTYPES),
+    ("torch", "max_batch_size"): ("an int >= 1", _count),
+    ("torch", "num_threads"): ("an int >= 1", _count),
+    ("vllm", "max_model_len"): ("an int >= 1", _count),
+    ("vllm", "tensor_parallel_size"): ("an int >= 1", _count),
+    ("vllm", "gpu_memory_utilization"): ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    (None, "seed"): ("an int", lambda v: type(v) is int),
+    (None, "sampling_seed"): ("an int", lambda v: type(v) is int),
+    (None, "model"): ("a non-empty str (a model directory or name)", lambda v: type(v) is str and v != ""),
+}
+
+
 def check_engine_options(name: str, options: dict[str, Any] | None) -> None:
-    """Raise ValueError for an unknown engine, or naming any option its engine does not read."""
+    """Raise ValueError for an unknown engine, naming any option its engine does not read, or
+    one whose value cannot be right (a negative rate, a dtype that is not a float one, ...)."""
     known = ENGINE_OPTIONS.get(name)
     if known is None:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
@@ -37,6 +68,10 @@ def check_engine_options(name: str, options: dict[str, Any] | None) -> None:
         hint = " (other arguments of the engine itself go in 'extra', a dict)" if "extra" in known else ""
         raise ValueError(f"unknown {name} engine option(s) {', '.join(map(repr, unknown))}; "
                          f"it takes {', '.join(sorted(known))}{hint}")
+    for key, value in options.items():
+        check = _VALUE_CHECKS.get((name, key)) or _VALUE_CHECKS.get((None, key))
+        if check is not None and value is not None and not check[1](value):
+            raise ValueError(f"{name} engine option {key!r} must be {check[0]}, got {value!r}")
 
 
 def create_engine(name: str, options: dict[str, Any] | None = None) -> Engine:

@@ -46,3 +46,26 @@ def test_every_option_an_adapter_reads_is_accepted(name):
     assert read, f"no option reads found in {MODULES[name]}"
     assert read <= ENGINE_OPTIONS[name], read - ENGINE_OPTIONS[name]
     check_engine_options(name, dict.fromkeys(ENGINE_OPTIONS[name], None))  # all of them together pass
+
+
+@pytest.mark.parametrize("engine, options, says", [
+    ("echo", {"tokens_per_s": -5}, "'tokens_per_s' must be a number >= 0"),
+    ("echo", {"step_tokens": 0}, "'step_tokens' must be an int >= 1"),
+    ("torch", {"dtype": "int8"}, "'dtype' must be one of"),
+    ("torch", {"max_batch_size": "8"}, "'max_batch_size' must be an int >= 1"),
+    ("vllm", {"model": "/m", "gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be a number in (0, 1]"),
+    ("torch", {"seed": 1.5}, "'seed' must be an int"),
+    ("vllm", {"dtype": "bfloat16"}, "the vllm engine needs engine_options['model']"),
+    ("sglang", {}, "the sglang engine needs engine_options['model']"),
+])
+def test_option_values_that_cannot_be_right_are_refused_before_any_worker_starts(engine, options, says):
+    with pytest.raises(ValueError) as info:
+        FleetConfig(engine=engine, engine_options=options)
+    assert says in str(info.value)
+
+
+def test_good_option_values_pass():
+    FleetConfig(engine="echo", engine_options={"tokens_per_s": 0, "vocab_size": 64, "max_running": 0})
+    FleetConfig(engine="torch", engine_options={"dtype": "bfloat16", "max_batch_size": 4, "seed": 3})
+    FleetConfig(engine="vllm", engine_options={"model": "/models/x", "gpu_memory_utilization": 0.5,
+                                               "max_model_len": 512, "dtype": "auto"})
