@@ -195,8 +195,9 @@ class _Base:
         ``return_exceptions`` a failed request's slot holds its RolloutError. Without it, the
         first failure is raised once the batch's other requests are cancelled (stopped on their
         workers; their partial output is dropped), as they are when the call itself is
-        cancelled. The ids, their number and the sampling parameters are checked before any
-        request is sent (InvalidRequest, DuplicateRequest for an id given twice); a prompt the
+        cancelled. For n samples of a prompt, repeat it n times, with no seed or a different one
+        each (requests with the same seed draw the same tokens). The ids, their number and the
+        sampling parameters are checked before any request is sent (InvalidRequest, DuplicateRequest for an id given twice); a prompt the
         fleet refuses fails like any other request, after earlier ones may have started.
         """
         prompts = list(prompts)
@@ -393,7 +394,10 @@ class RemoteClient(_Base):
                  call_timeout_s: float = 60.0, request_timeout_s: float | None = 3600.0):
         """``request_timeout_s`` bounds generate/stream calls made without a timeout: over a
         socket a lost answer (the fleet died, the network broke) would otherwise be waited for
-        forever. ``call_timeout_s`` bounds abort/stats/control and the first ``hello``."""
+        forever. ``call_timeout_s`` bounds abort/stats/control and the first ``hello``.
+        ``curve_keys``: (client public, client secret, server public), for a fleet that
+        requires CurveZMQ keys; ``rollfleet.transport.auth.load_client_keys(DIR)`` reads them
+        from a directory that ``rollfleet keys DIR`` made."""
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
@@ -607,7 +611,8 @@ class RemoteClient(_Base):
             self._post(encoded)
             return await asyncio.wait_for(fut, self.call_timeout_s)
         except asyncio.TimeoutError:
-            why = "" if self._up else f": no connection to a fleet at {self.address} came up (is one serving there?)"
+            why = "" if self._up else (f": no connection to a fleet at {self.address} came up (is one serving there? "
+                                       f"one that requires CurveZMQ keys answers only clients given them: curve_keys)")
             raise RequestTimeout(f"no answer to {msg.TYPE.value} within {self.call_timeout_s}s{why}") from None
         finally:
             self._calls.pop(msg.id, None)
