@@ -159,6 +159,8 @@ class VllmEngine(Engine):
         self._loras: dict[str, Any] = {}
         self._running: set[str] = set()
         self._paused = False
+        self._sleep_level = 0  # the level vLLM sleeps at; 0: awake
+        self._weights_awake = True  # its weights' GPU memory is mapped (asleep: until a load needs it)
         self._children: list[Any] = []
         self._run_dir: str | None = None
         self._shm_names: set[str] = set()
@@ -406,12 +408,23 @@ class VllmEngine(Engine):
         if not _sleep_mode_available():
             raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
         await llm.sleep(level)
+        self._sleep_level, self._weights_awake = level, False
 
     async def wake_up(self) -> None:
         llm = self._check()
         if not _sleep_mode_available():
             raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
         await llm.wake_up()
+        self._sleep_level, self._weights_awake = 0, True
+
+    async def _wake_weights(self) -> None:
+        """A weight update while asleep (hybrid mode: between training steps): vLLM's sleep
+        unmapped the weights' GPU memory, so map it back before loading into it, and leave the
+        KV cache asleep until ``wake_up``. After a level 2 sleep the weights' old contents are
+        gone: only what the update sends is then right, so send every tensor."""
+        if self._sleep_level and not self._weights_awake:
+            await self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
 
     async def clear_kv_cache(self) -> None:
         llm = self._check()
@@ -458,6 +471,7 @@ class VllmEngine(Engine):
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Apply named tensors in one reload. Raises EngineDead when the reload fails."""
         self._check()
+        await self._wake_weights()
         seg, entries = await asyncio.to_thread(write_segment, weights)
         try:
             await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries}, "commit": True})
@@ -471,6 +485,7 @@ class VllmEngine(Engine):
         until ``commit_weights``; do that when a bucket may hold only part of a fused layer.
         Returns the number of tensors. Raises EngineDead when the reload fails."""
         self._check()
+        await self._wake_weights()
         return int(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
 
     async def commit_weights(self) -> int:

@@ -292,3 +292,47 @@ def test_a_fleets_per_worker_sampling_seed_is_vllms_seed():
     args = VllmEngine({"model": "/m", "seed": 3, "sampling_seed": 41})._engine_args(cuda=False)
     assert args["seed"] == 41
     assert VllmEngine({"model": "/m", "seed": 3})._engine_args(cuda=False)["seed"] == 3
+
+
+class AsyncLLMWithSleepStandIn:
+    """Stand-in for vLLM's AsyncLLM on a platform with sleep mode (CUDA), which this machine
+    lacks: the real signatures of sleep, wake_up and collective_rpc; it tracks which GPU memory
+    is mapped, and a weight load into unmapped weights fails as it would on the GPU."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.mapped = {"weights", "kv_cache"}
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.calls.append(("sleep", level))
+        self.mapped = set()
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(("wake_up", tags))
+        self.mapped |= set(tags or ("weights", "kv_cache"))
+        return self.mapped == {"weights", "kv_cache"}
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if "weights" not in self.mapped:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.calls.append((method,))
+        return [len(kwargs["descriptor"]["tensors"])] if "descriptor" in (kwargs or {}) else [0]
+
+
+async def test_a_weight_update_while_asleep_maps_the_weights_back_first_and_leaves_the_cache_asleep(
+        monkeypatch, tmp_path):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
+    engine = VllmEngine({"model": str(tmp_path)})
+    engine.llm = llm = AsyncLLMWithSleepStandIn()
+    descriptor = {"name": "rf-segment", "tensors": []}
+    await engine.sleep(1)
+    assert await engine.load_weights_from_descriptor(descriptor) == 0
+    await engine.load_weights_from_descriptor(descriptor)  # already mapped: no second wake-up
+    assert llm.calls == [("sleep", 1), ("wake_up", ["weights"]), ("rollfleet_load_shm",), ("rollfleet_load_shm",)]
+    assert llm.mapped == {"weights"} and not engine.dead  # the KV cache sleeps on
+    await engine.wake_up()
+    assert llm.calls[-1] == ("wake_up", None) and llm.mapped == {"weights", "kv_cache"}
+    await engine.load_weights_from_descriptor(descriptor)  # awake: nothing to map
+    assert llm.calls[-2:] == [("wake_up", None), ("rollfleet_load_shm",)]
