@@ -110,7 +110,8 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
 
         async def abort_one() -> None:
             await asyncio.sleep(0.05)
-            await client.abort(to_abort)
+            if not await client.abort(to_abort):
+                tqdm.write(f"{to_abort} had finished before its abort (nothing to stop)", file=sys.stdout)
 
         new_weights = _same_weights(engine, seed) if update_weights else []
         update = ["skipped" if not update_weights else "not done"]
