@@ -7,13 +7,13 @@ submits a coroutine to it and waits. Safe to use from a torchrun rank's main thr
         results = fleet.generate_batch([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=32))
         fleet.update_weights(model.named_parameters(), version=step)
 
-The fleet is shut down at interpreter exit if the caller forgot to.
+The fleet is shut down when the client is dropped, or at interpreter exit, if the caller
+forgot to.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -34,6 +34,44 @@ __all__ = ["SyncClient"]
 
 logger = logging.getLogger(__name__)
 
+
+
+def _stop_fleet(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Shut the fleet down and stop its loop thread (SyncClient.shutdown, or the client's
+    finalizer: it takes no client, which may be gone)."""
+    if threading.current_thread() is thread:  # collected on the loop's own thread: it cannot wait here
+
+        async def stop() -> None:
+            try:
+                await supervisor.shutdown()
+            finally:
+                loop.stop()
+
+        loop.create_task(stop())
+        return
+    blocked = False
+    try:
+        if loop.is_running() and not supervisor.closed:
+            # A loop blocked in user code (a weight generator stuck in a collective, say, when
+            # Ctrl-C came) could not run the shutdown: after a short look, the fleet is torn down
+            # from here instead of after a long wait.
+            probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+            try:
+                probe.result(5)
+                asyncio.run_coroutine_threadsafe(supervisor.shutdown(), loop).result(60)
+            except concurrent.futures.TimeoutError:
+                logger.error("the fleet's event loop does not respond (blocked in a weight generator?): "
+                             "killing its workers from this thread")
+                supervisor.abandon()
+                # Its sockets close on its own thread, if that thread ever runs again.
+                loop.call_soon_threadsafe(supervisor.release)
+                blocked = True
+    finally:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(0.5 if blocked else 10)  # a blocked loop thread (a daemon) is left
+        if not thread.is_alive() and not loop.is_closed():
+            loop.close()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -60,15 +98,15 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        # Runs once: at shutdown(), when the client is collected, or at interpreter exit. It holds
+        # no reference to the client, so dropping the client is what shuts a forgotten fleet down.
+        self._stop = weakref.finalize(self, _stop_fleet, self.supervisor, self._loop, self._thread)
         try:
             self._call(self.supervisor.start(), start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self.client = self._call(self._make_client())
-        ref = weakref.ref(self)
-        self._atexit = lambda: (lambda s: s.shutdown() if s is not None else None)(ref())
-        atexit.register(self._atexit)
 
     async def _make_client(self) -> Any:
         return self.supervisor.client()
@@ -233,29 +271,8 @@ class SyncClient:
         in other threads end with FleetClosed."""
         if self._closed:
             return
-        blocked = False
         try:
-            if self._loop.is_running() and not self.supervisor.closed:
-                # A loop blocked in user code (a weight generator stuck in a collective, say,
-                # when Ctrl-C came) could not run the shutdown: after a short look, the fleet is
-                # torn down from here instead of after a long wait.
-                probe = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop)
-                try:
-                    probe.result(5)
-                    asyncio.run_coroutine_threadsafe(self.supervisor.shutdown(), self._loop).result(60)
-                except concurrent.futures.TimeoutError:
-                    logger.error("the fleet's event loop does not respond (blocked in a weight generator?): "
-                                 "killing its workers from this thread")
-                    self.supervisor.abandon()
-                    # Its sockets close on its own thread, if that thread ever runs again.
-                    self._loop.call_soon_threadsafe(self.supervisor.release)
-                    blocked = True
+            self._stop()
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(0.5 if blocked else 10)  # a blocked loop thread (a daemon) is left
-            if not self._thread.is_alive():
-                self._loop.close()
-            atexit_fn = getattr(self, "_atexit", None)
-            if atexit_fn is not None:
-                atexit.unregister(atexit_fn)
+

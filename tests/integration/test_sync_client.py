@@ -96,6 +96,30 @@ def test_fleet_is_shut_down_at_interpreter_exit():
     assert not os.path.exists(fields[0])
 
 
+def test_a_client_dropped_without_shutdown_stops_its_fleet_at_once(tmp_path):
+    # The client goes out of scope in a function: its fleet stops then, not at exit (its loop
+    # thread used to keep it running for as long as the process lived).
+    front = tmp_path / "front.sock"
+    script = textwrap.dedent(f"""
+        import os, time
+        import psutil
+        from rollfleet.actors import SyncClient, FleetConfig
+
+        def rollouts():
+            fleet = SyncClient(FleetConfig(engine="echo", num_workers=1, frontend_addr="ipc://{front}"))
+            return fleet.supervisor.private_dir, [w["pid"] for w in fleet.stats()["workers"]]
+
+        private, pids = rollouts()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (any(psutil.pid_exists(p) for p in pids) or os.path.exists(private)):
+            time.sleep(0.05)
+        print(any(psutil.pid_exists(p) for p in pids), os.path.exists(private), os.path.exists("{front}"), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"], out.stdout + out.stderr
+
+
 def test_shutdown_with_the_loop_blocked_in_a_weight_generator_kills_the_workers_promptly(tmp_path):
     # Ctrl-C while update_weights pulls a generator that blocks (a collective that never
     # completes): the loop cannot run a shutdown, so the workers are killed from this thread
