@@ -201,39 +201,139 @@ def build(cls: type[Message], *values: Any) -> Message:
 
 
 def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict[str, Any]:
-    """Unpack a header frame to a map, checking size, shape, version and id."""
+    """Unpack a header frame to a map, checking size, shape, version and id. A batch some of
+    whose messages cannot be unpacked still decodes: each of those is the DecodeError it would
+    get in a frame of its own, in its place among the others (``unbatch`` hands it on)."""
     if len(raw) > max_bytes:
         raise DecodeError("too_large", f"header of {len(raw)} bytes exceeds {max_bytes}")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        if type(exc) is ValueError and "map key" in str(exc):
-            # Keys other than str or bin are refused while unpacking (a map of int keys would let a
-            # sender pick hash collisions); answer with the message's id when it can be read.
-            raise DecodeError("bad_field", "a map has a key that is not a str", _read_id(raw)) from None
-        raise DecodeError("bad_frame", f"not a msgpack value: {type(exc).__name__}") from None
-    _check_header(header)
+        header = _unpack_apart(raw, exc)
+    try:
+        _check_header(header)
+    except DecodeError as exc:
+        if type(header) is dict and header.get("type") == "batch":
+            exc.msg_id = ""  # a batch's own id is ignored, even in an error about it
+        raise
     return header
 
 
-def _read_id(raw: bytes | memoryview) -> str | None:
-    """The top-level ``id`` of a map frame that failed to unpack whole, or None: reads the keys
-    and skips every other value unbuilt (no map is made, whatever its keys)."""
-    try:
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(raw), 1))
-        unpacker.feed(raw)
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "id":
-                value = unpacker.unpack()
-                return value if type(value) is str else None
-            unpacker.skip()
-    except Exception:
-        return None
+def _failure(raw: bytes | memoryview, exc: Exception) -> DecodeError:
+    """What a frame that msgpack could not unpack is answered with."""
+    if type(exc) is ValueError and "map key" in str(exc):
+        # Keys other than str or bin are refused while unpacking (a map of int keys would let a
+        # sender pick hash collisions); answer with the message's id when it can be read.
+        return DecodeError("bad_field", "a map has a key that is not a str", _read_id(raw))
+    return DecodeError("bad_frame", f"not a msgpack value: {type(exc).__name__}")
+
+
+# A batch of more messages than this is not taken apart when it fails to unpack (the frontend
+# refuses a client's batch of more anyway, PROTOCOL.md 7): cutting a message out costs about a
+# microsecond, and a bad frame must not hold the loop for long.
+MAX_BATCH_APART = 1024
+
+
+def _array_length(view: memoryview, at: int) -> int | None:
+    """The length of the msgpack array whose header starts at ``at``; None if none does."""
+    head = view[at]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(view[at + 1:at + 3], "big")
+    if head == 0xDD:
+        return int.from_bytes(view[at + 1:at + 5], "big")
     return None
+
+
+def _unpack_apart(raw: bytes | memoryview, exc: Exception) -> dict[str, Any]:
+    """The map of a frame that failed to unpack whole (``exc``), when what failed lies inside
+    the messages of a batch: each message is cut out of the frame without being built and
+    unpacked alone, so that one bad message is answered on its own. Raises the frame's
+    DecodeError when the fault is elsewhere, or when a message cannot be cut out (nested
+    deeper than msgpack's limit on its own, or cut short): its end is then unknown.
+
+    Only bad frames come here; a valid one never pays for this."""
+    if _id_and_type(raw)[1] != "batch":
+        raise _failure(raw, exc) from None
+    view = memoryview(raw)
+    header: dict[str, Any] = {}
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(view), 1))
+        unpacker.feed(view)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if type(key) is not str and type(key) is not bytes:  # as strict_map_key refuses it
+                raise DecodeError("bad_field", "a map has a key that is not a str", "") from None
+            count = _array_length(view, unpacker.tell()) if key == "messages" else None
+            if count is not None:
+                if count > MAX_BATCH_APART:
+                    raise _failure(raw, exc) from None
+                unpacker.read_array_header()
+                header[key] = [_cut_out(view, unpacker) for _ in range(count)]
+            else:
+                header[key] = unpacker.unpack()
+    except DecodeError:
+        raise
+    except Exception:
+        raise _failure(raw, exc) from None
+    if unpacker.tell() != len(view):
+        raise _failure(raw, exc) from None  # trailing bytes
+    return header
+
+
+def _cut_out(view: memoryview, unpacker: msgpack.Unpacker) -> Any:
+    """The next message of a batch that ``unpacker`` reads, unpacked alone, or the DecodeError
+    it gets. Raises when its end cannot be found."""
+    start = unpacker.tell()
+    unpacker.skip()  # builds nothing: neither str (UTF-8) nor map keys are looked at
+    item = view[start:unpacker.tell()]
+    try:
+        return msgpack.unpackb(item, raw=False, strict_map_key=True)
+    except Exception as exc:
+        return _failure(item, exc)
+
+
+def _read_id(raw: bytes | memoryview) -> str | None:
+    """The id to answer a frame that failed to unpack whole with: its top-level ``id``, "" for
+    a batch (whose own id is ignored), None when it cannot be read."""
+    msg_id, type_tag = _id_and_type(raw)
+    if type_tag == "batch":
+        return ""
+    return msg_id if type(msg_id) is str else None
+
+
+def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
+    """The top-level ``id`` and ``type`` of a map frame, reading the keys and skipping every
+    other value unbuilt (no map is made, whatever its keys); (None, None) when its top level
+    cannot be read through, as it might then be a batch."""
+    msg_id = type_tag = None
+    view = memoryview(raw)
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(view), 1))
+        unpacker.feed(view)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            count = _array_length(view, unpacker.tell()) if key == "messages" else None
+            if key == "id":
+                msg_id = unpacker.unpack()
+            elif key == "type":
+                type_tag = unpacker.unpack()
+            elif count is not None and count <= MAX_BATCH_APART:
+                unpacker.read_array_header()
+                for _ in range(count):  # one by one: each message may nest as deep as a frame
+                    unpacker.skip()
+            else:
+                unpacker.skip()
+    except Exception:
+        return None, None
+    return msg_id, type_tag
 
 
 def _check_header(header: Any) -> None:
     if type(header) is not dict:
+        if type(header) is DecodeError:  # a message of a batch that could not be unpacked
+            raise header
         raise DecodeError("bad_message", f"header must be a map, got {type(header).__name__}")
     msg_id = header.get("id")
     if list(map(type, header)).count(str) != len(header):  # a bin key names no field
@@ -268,7 +368,8 @@ def _from_header(header: dict[str, Any], accept: frozenset[str] | None = None) -
     if cls is None:
         raise DecodeError("unknown_type", f"unknown message type {type_tag!r}", msg_id)
     if accept is not None and type_tag not in accept:
-        raise DecodeError("unknown_type", f"this socket does not take {type_tag!r} messages", msg_id)
+        raise DecodeError("unknown_type", f"this socket does not take {type_tag!r} messages",
+                          "" if cls is Batch else msg_id)
     spec = _SPECS.get(cls) or _spec(cls)
     if spec.decode_fast is not None:
         msg = spec.decode_fast(header, msg_id)

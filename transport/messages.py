@@ -506,7 +506,8 @@ class Batch(Message):
     TYPE: ClassVar[MsgType] = MsgType.BATCH
     messages: list[Any]
     """Each a complete message map (its own ``v``, ``type`` and ``id``); never a batch, never
-    a message with buffer frames."""
+    a message with buffer frames. In a decoded batch, a message that msgpack could not unpack
+    is the ``codec.DecodeError`` it got, which ``codec.unbatch`` gives in its place."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -47,7 +47,13 @@ GARBAGE = ("", b"\xc1")  # 0xc1 is never valid msgpack
 WRONG_VERSION = ("vm1", msgpack.packb({"v": 2, "type": "stats", "id": "vm1"}))
 UNKNOWN_TYPE = ("ut1", msgpack.packb({"v": 1, "type": "frobnicate", "id": "ut1"}))
 WORKER_ONLY = ("hb1", msgpack.packb({"v": 1, "type": "heartbeat", "id": "hb1"}))
-RAWS = (GARBAGE, WRONG_VERSION, UNKNOWN_TYPE, WORKER_ONLY)
+# A batch whose first message has an int key: that one is answered alone (bad_field "bm1"), and
+# the abort after it still runs (unknown_request "bm2", the answer waited for).
+BAD_IN_BATCH = ("bm2", msgpack.packb({"v": 1, "type": "batch", "id": "B", "messages": [
+    {"v": 1, "type": "stats", "id": "bm1", 7: 1}, {"v": 1, "type": "abort", "id": "bm2", "request_id": "zz"}]}))
+# An error about a batch itself carries "", whatever the batch's own id.
+BATCH_VERSION = ("", msgpack.packb({"v": 2, "type": "batch", "id": "b12", "messages": []}))
+RAWS = (GARBAGE, WRONG_VERSION, UNKNOWN_TYPE, WORKER_ONLY, BAD_IN_BATCH, BATCH_VERSION)
 # What the Node and C clients send for `generate bad1 1,2 max_tokens=-1`, minus the fields
 # they add with default values (which do not change the answer).
 BAD_GENERATE = msgpack.packb({"v": 1, "type": "generate", "id": "bad1", "prompt_ids": [1, 2],
@@ -142,9 +148,14 @@ def run_client(cmd: list[str], address: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-def raw_answer(sock: zmq.Socket, frame: bytes) -> dict[str, Any]:
+def raw_answer(sock: zmq.Socket, frame: bytes, answer_id: str) -> dict[str, Any]:
+    """The first answer with ``answer_id`` to ``frame`` (others before it are skipped, as the
+    Node and C clients do)."""
     sock.send(frame)
-    return msgpack.unpackb(sock.recv_multipart()[0])
+    while True:
+        answer = msgpack.unpackb(sock.recv_multipart()[0])
+        if answer["id"] == answer_id:
+            return answer
 
 
 def result_view(r: Any) -> dict[str, Any]:
@@ -185,11 +196,11 @@ async def run_python(address: str) -> list[dict[str, Any]]:
         sock.setsockopt(zmq.RCVTIMEO, 30000)
         sock.connect(address)
         try:
-            err = raw_answer(sock, BAD_GENERATE)
+            err = raw_answer(sock, BAD_GENERATE, "bad1")
             out.append({"cmd": "generate", "id": "bad1", "chunks": [],
                         "error": {"code": err["code"], "message": err["message"], "request_id": err["request_id"]}})
-            for _, raw in RAWS:
-                out.append({"cmd": "raw", "answer": raw_answer(sock, raw)})
+            for answer_id, raw in RAWS:
+                out.append({"cmd": "raw", "answer": raw_answer(sock, raw, answer_id)})
         finally:
             sock.close(linger=0)
             ctx.term()
@@ -254,7 +265,8 @@ async def test_node_and_c_clients_get_what_the_python_client_gets(tools, server)
     raws = [line["answer"] for line in py if line["cmd"] == "raw"]
     assert [(a["type"], a["id"], a["code"]) for a in raws] == [
         ("error", "", "bad_frame"), ("error", "vm1", "version_mismatch"),
-        ("error", "ut1", "unknown_type"), ("error", "hb1", "unknown_type")]
+        ("error", "ut1", "unknown_type"), ("error", "hb1", "unknown_type"), ("error", "bm2", "unknown_request"),
+        ("error", "", "version_mismatch")]
     control = next(line for line in py if line["cmd"] == "control")
     assert control["error"]["code"] == "unknown_op"
     assert next(line for line in py if line["cmd"] == "abort")["found"] is False

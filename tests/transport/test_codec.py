@@ -219,6 +219,81 @@ def test_a_bad_message_in_a_batch_costs_the_others_nothing():
     assert [e.msg_id for e in errors] == ["w0-0:9", "old", None, "u", ""]
 
 
+def _batch(*members: bytes, batch_id: str = "B") -> bytes:
+    """A batch frame around messages given as bytes, any bytes (a msgpack library cannot write
+    every bad message)."""
+    n = len(members)
+    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return b"".join((b"\x84", *map(msgpack.packb, ("v", 1, "type", "batch", "id", batch_id, "messages")), head,
+                     *members))
+
+
+def _nested(depth: int) -> bytes:
+    """A stats message whose field ``x`` holds arrays nested ``depth`` deep: the message nests
+    ``depth + 1`` deep, its own map included."""
+    return b"\x84" + b"".join(map(msgpack.packb, ("v", 1, "type", "stats", "id", "deep", "x"))) + b"\x91" * depth + b"\x01"
+
+
+NOT_UTF8 = b"\x83\xa1v\x01\xa4type\xa5stats\xa2id\xa2\xff\xfe"  # {"v": 1, "type": "stats", "id": <not UTF-8>}
+
+
+def test_a_message_of_a_batch_that_cannot_be_unpacked_is_answered_alone_and_the_others_decode():
+    # PROTOCOL.md 4.3: each message as if it had come in a frame of its own, whatever is wrong with it
+    good = [Abort(id="m2", request_id="zz"), Generate(id="g", prompt_ids=[1], sampling=SamplingParams(max_tokens=2)),
+            Stats(id="deep")]
+    members = [
+        msgpack.packb({"v": 1, "type": "stats", "id": "m1", 7: 1}),
+        codec.encode(good[0]),
+        msgpack.packb({"v": 1, "type": "generate", "id": "g1", "prompt_ids": [1], "sampling": {7: 1}}),
+        msgpack.packb({"v": 1, "type": "stats", "id": "s1", "added_later": {None: 1}}),  # in an unknown field too
+        codec.encode(good[1]),
+        NOT_UTF8,
+        _nested(1023),  # 1,024 deep: within the limit alone, beyond it inside the batch's map and array
+    ]
+    raw = _batch(*members)
+    with pytest.raises(ValueError):
+        msgpack.unpackb(raw, raw=False, strict_map_key=True)  # no library reads this frame whole
+    out = codec.unbatch(codec.decode([raw]))
+    assert len(out) == len(members)
+    assert [out[1], out[4]] == good[:2] and type(out[6]) is Stats and out[6].id == "deep"
+    errors = [out[i] for i in (0, 2, 3, 5)]
+    assert all(isinstance(e, codec.DecodeError) for e in errors)
+    assert [(e.code, e.msg_id) for e in errors] == [("bad_field", "m1"), ("bad_field", "g1"), ("bad_field", "s1"),
+                                                     ("bad_frame", None)]
+    # the same bytes in a frame of their own get the same answers
+    for member, error in zip((members[i] for i in (0, 2, 3, 5)), errors):
+        assert _code(member) == (error.code, error.msg_id)
+
+
+def test_errors_about_a_batch_itself_carry_the_empty_id_whatever_its_own():
+    frames = [
+        msgpack.packb({"v": 1, "type": "batch", "id": "B", b"k": 1, "messages": []}),  # a bin key
+        msgpack.packb({"v": 1, "type": "batch", "id": "B", 7: 1, "messages": []}),  # an int key
+        msgpack.packb({"v": 1, "type": "batch", "id": "B", "x": {7: 1}, "messages": []}),  # in an unknown field
+        msgpack.packb({"v": 1, "type": "batch", "id": "B", 7: 1, "messages": [{"v": 1, "type": "stats", "id": "s",
+                                                                              3: 3}]}),
+    ]
+    for raw in frames:
+        assert _code(raw) == ("bad_field", "")
+    assert _code(msgpack.packb({"v": 2, "type": "batch", "id": "b12", "messages": []})) == ("version_mismatch", "")
+    assert _code(msgpack.packb({"v": 1, "type": "batch", "id": 5, "messages": []})) == ("bad_field", "")
+    with pytest.raises(codec.DecodeError) as info:
+        codec.decode([msgpack.packb({"v": 1, "type": "batch", "id": "B", "messages": []})], accept=frozenset({"stats"}))
+    assert (info.value.code, info.value.msg_id) == ("unknown_type", "")
+
+
+def test_a_batch_whose_messages_cannot_be_told_apart_is_refused_whole():
+    good = codec.encode(Stats(id="ok"))
+    assert _code(_batch(good, _nested(1024), good)) == ("bad_frame", None)  # too deep even alone: its end is unknown
+    assert _code(_batch(good, good)[:-3]) == ("bad_frame", None)  # cut short
+    assert _code(_batch(good, NOT_UTF8) + b"\x01") == ("bad_frame", None)  # bytes after the batch's map
+    # more messages than are taken apart: answered whole, under the empty id
+    many = [good] * codec.MAX_BATCH_APART
+    assert _code(_batch(*many, msgpack.packb({"v": 1, "type": "stats", "id": "m", 7: 1}))) == ("bad_field", "")
+    assert _code(_batch(*many, NOT_UTF8)) == ("bad_frame", None)
+    assert len(codec.unbatch(codec.decode([_batch(*many[1:], NOT_UTF8)]))) == len(many)
+
+
 @pytest.mark.parametrize("messages", [{"a": 1}, "x", None])
 def test_a_batch_whose_messages_field_is_bad_is_rejected_whole_under_the_empty_id(messages):
     # a batch's own id is ignored (PROTOCOL.md 3, 4.3), even in an error about the batch itself

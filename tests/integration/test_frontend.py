@@ -1,0 +1,108 @@
+"""The client socket against bad input, as a client written from PROTOCOL.md sees it: a real
+supervisor with echo workers, raw ZeroMQ DEALERs, frames built byte by byte where no msgpack
+library would write them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.engines.echo import echo_tokens
+from rollfleet.transport import codec
+from rollfleet.transport.messages import Generate, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+NOT_UTF8 = b"\x83\xa1v\x01\xa4type\xa5stats\xa2id\xa2\xff\xfe"  # {"v": 1, "type": "stats", "id": <not UTF-8>}
+
+
+def fleet() -> Supervisor:
+    return Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 0}))
+
+
+def generate(rid: str, prompt: list[int], max_tokens: int) -> bytes:
+    return codec.encode(Generate(id=rid, prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens)))
+
+
+def batch(*members: bytes, batch_id: str = "B", version: int = 1) -> bytes:
+    """A batch frame around messages given as bytes, any bytes."""
+    head = b"".join(map(msgpack.packb, ("v", version, "type", "batch", "id", batch_id, "messages")))
+    return b"\x84" + head + bytes((0x90 | len(members),)) + b"".join(members)
+
+
+class Dealer:
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    async def answers(self, n: int, timeout: float = 20.0) -> list[dict]:
+        """The next ``n`` final answers (reply, result or error), in the order they came."""
+        got: list[dict] = []
+        while len(got) < n:
+            msg = msgpack.unpackb(await asyncio.wait_for(self.sock.recv(), timeout), raw=False)
+            if msg["type"] in ("reply", "result", "error"):
+                got.append(msg)
+        return got
+
+    async def silent(self, seconds: float) -> bool:
+        return not await self.sock.poll(int(seconds * 1000))
+
+
+async def test_a_bad_message_in_a_client_batch_is_answered_under_its_own_id_and_the_others_run():
+    async with fleet() as sup:
+        client = Dealer(sup.frontend_address)
+        try:
+            await client.sock.send(batch(
+                msgpack.packb({"v": 1, "type": "stats", "id": "m1", 7: 1}),
+                msgpack.packb({"v": 1, "type": "abort", "id": "m2", "request_id": "zz"}),
+                generate("ok1", [1, 2], 3),
+                msgpack.packb({"v": 1, "type": "generate", "id": "g1", "prompt_ids": [1], "sampling": {7: 1}}),
+                NOT_UTF8,
+                msgpack.packb({"v": 1, "type": "abort_all", "id": "s1", "added_later": {None: 1}}),
+                generate("ok2", [3], 2),
+            ))
+            got = {(a["id"], a["type"], a.get("code")) for a in await client.answers(7)}
+            assert got == {("m1", "error", "bad_field"), ("m2", "error", "unknown_request"), ("ok1", "result", None),
+                           ("g1", "error", "bad_field"), ("", "error", "bad_frame"), ("s1", "error", "bad_field"),
+                           ("ok2", "result", None)}
+            assert sup.counters["completed"] == 2 and sup._drops.counts["bad_client_frame"] == 4
+            # the valid requests ran as they would alone
+            await client.sock.send(batch(msgpack.packb({"v": 1, "type": "stats", "id": "x", 7: 1}),
+                                         generate("ok3", [1, 2], 3)))
+            second = await client.answers(2)
+            assert second[1]["id"] == "ok3" and second[1]["token_ids"] == echo_tokens([1, 2], 3)
+        finally:
+            client.close()
+
+
+async def test_an_error_about_a_client_batch_itself_carries_the_empty_id_and_nothing_in_it_runs():
+    async with fleet() as sup:
+        client = Dealer(sup.frontend_address)
+        try:
+            inside = generate("r", [1], 1)
+            cases = [  # (frame, code): one error each, under ""
+                (msgpack.packb({"v": 1, "type": "batch", "id": "B", b"k": 1,
+                                "messages": [msgpack.unpackb(inside)]}), "bad_field"),
+                (batch(inside, batch_id="b12", version=2), "version_mismatch"),
+                (msgpack.packb({"v": 1, "type": "batch", "id": "B", 7: 1, "messages": [msgpack.unpackb(inside)]}),
+                 "bad_field"),
+            ]
+            for frame, code in cases:
+                await client.sock.send(frame)
+                (answer,) = await client.answers(1)
+                assert (answer["type"], answer["id"], answer["code"]) == ("error", "", code), answer
+            assert await client.silent(0.3)
+            assert sup.counters["completed"] == 0
+        finally:
+            client.close()
