@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -104,6 +103,7 @@ CLIENT_TYPES = frozenset({"generate", "abort", "abort_all", "stats", "control", 
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
+_TWO_63 = float(1 << 63)  # compared exactly: an int below it fits in 64 bits, and NaN and inf fail
 
 
 def check_control_args(op: str, args: dict[str, Any]) -> None:
@@ -158,8 +158,8 @@ class SamplingParams:
     def _check_ranges(self) -> None:
         if not 0 <= self.max_tokens <= _INT64_MAX:
             raise ValueError(f"max_tokens must be >= 0 (and fit in 64 bits), got {self.max_tokens}")
-        if not 0 <= self.temperature < math.inf:  # NaN fails this too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < _TWO_63:
+            raise ValueError(f"temperature must be a number >= 0 and below 2**63, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= _INT64_MAX:

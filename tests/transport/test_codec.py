@@ -119,6 +119,10 @@ def _code(raw):
                         "sampling": {"seed": 2**63}}), "bad_field"),
         (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
                         "sampling": {"stop_token_ids": [2, 2**64 - 1]}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"temperature": 2**64 - 1}}), "bad_field"),
+        (msgpack.packb({"v": 1, "type": "generate", "id": "x", "prompt_ids": [1],
+                        "sampling": {"temperature": 2**63}}), "bad_field"),
         (msgpack.packb({"v": 1, "type": "abort_all", "id": "x", "session_id": 7}), "bad_field"),
     ],
 )
@@ -341,6 +345,13 @@ def test_sampling_params_built_in_python_have_the_wire_types(bad):
     # would otherwise get as far as a worker (or past it: logprobs=0 read as False)
     with pytest.raises(TypeError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_sampling_temperature_is_below_2_63_as_an_int_or_a_float():
+    assert SamplingParams(temperature=2**63 - 1).temperature == 2**63 - 1
+    for bad in (2**63, 2**64 - 1, float(2**63), 1e300, float("inf"), float("nan"), -1):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
 
 
 def test_sampling_params_take_a_tuple_of_stop_ids_and_ints_for_floats():

@@ -81,7 +81,11 @@ def test_sampling_values_are_checked_on_both_paths():
     base = _header(SAMPLES[0])
     for sampling, ok in [({"max_tokens": 3, "stop_token_ids": [1, 2]}, True), ({"temperature": 0}, True),
                          ({"stop_token_ids": [1, True]}, False), ({"stop_token_ids": [1.0]}, False),
-                         ({"max_tokens": -1}, False), ({"top_k": 2.0}, False), ({"seed": True}, False)]:
+                         ({"max_tokens": -1}, False), ({"top_k": 2.0}, False), ({"seed": True}, False),
+                         # every key given: the fast path; some left out: the field-by-field one
+                         ({**SamplingParams().to_wire(), "temperature": 2**64 - 1}, False),
+                         ({"temperature": 2**64 - 1}, False), ({"temperature": 2**63}, False),
+                         ({**SamplingParams().to_wire(), "temperature": 2**63 - 1}, True)]:
         raw = msgpack.packb({**base, "sampling": sampling})
         if ok:
             assert codec.decode([raw]).sampling == SamplingParams(**sampling)
