@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -145,14 +146,22 @@ class SamplingParams:
         if type(self.stop_token_ids) is tuple:
             _set(self, "stop_token_ids", list(self.stop_token_ids))
         # The wire's types (PROTOCOL.md 4.1): what a decoded map has already been checked for.
+        # Other numbers (numpy's scalars above all) become the plain int or float they stand for,
+        # so that what is sent is plain msgpack.
         for name, types, contents in _SAMPLING_SPEC:
             value = getattr(self, name)
             if type(value) not in types:
-                hint = " (True returns each chosen token's log-probability, as vLLM's logprobs=0)" \
-                    if name == "logprobs" else ""
-                raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {value!r}{hint}")
+                value = _plain(value, types)
+                if type(value) not in types:
+                    hint = " (True returns each chosen token's log-probability, as vLLM's logprobs=0)" \
+                        if name == "logprobs" else ""
+                    raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {value!r}{hint}")
+                _set(self, name, value)
             if contents is not None and value and not contents(value):
-                raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {value!r}")
+                value = [_plain(x, _INT) for x in value]
+                if not contents(value):
+                    raise TypeError(f"{name} must be {_TYPE_NAMES[name]}, got {getattr(self, name)!r}")
+                _set(self, name, value)
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -238,6 +247,20 @@ _set = object.__setattr__  # how a frozen dataclass sets its own fields
 
 _MISSING: Any = object()
 _NONE = type(None)
+_INT = frozenset({int})
+
+
+def _plain(value: Any, types: frozenset[type]) -> Any:
+    """``value`` as the plain int (or float) that ``types`` take, when it is a number of another
+    type, e.g. numpy's int64 or float32; else ``value`` itself. A bool is never taken for a
+    number (numpy's bool is no numbers.Integral either)."""
+    if type(value) is bool:
+        return value
+    if int in types and isinstance(value, numbers.Integral):
+        return int(value)
+    if float in types and isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _all_ints(v: list[Any]) -> bool:

@@ -347,6 +347,31 @@ def test_sampling_params_built_in_python_have_the_wire_types(bad):
         SamplingParams(**bad)
 
 
+def test_sampling_params_take_numpy_numbers_as_the_plain_ones_they_stand_for():
+    import fractions
+
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(5), temperature=np.float64(0.7), top_p=np.float32(0.5),
+                            top_k=np.int32(-1), seed=np.uint64(7), stop_token_ids=[np.int64(2), 3])
+    assert params == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.5, top_k=-1, seed=7, stop_token_ids=[2, 3])
+    plain = [params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, *params.stop_token_ids]
+    assert [type(v) for v in plain] == [int, float, float, int, int, int, int]
+    # what goes on the wire is plain msgpack, and reads back the same
+    assert codec.decode([codec.encode(Generate(id="g", prompt_ids=[1], sampling=params))]).sampling == params
+    assert SamplingParams(temperature=np.int64(0), top_p=fractions.Fraction(1, 2)).to_wire()["top_p"] == 0.5
+    assert type(params.replace(max_tokens=np.int16(3)).max_tokens) is int
+    # no bool where a number is wanted, no float where an int is, and the ranges hold as for plain ones
+    for bad in ({"max_tokens": np.bool_(True)}, {"temperature": np.True_}, {"max_tokens": np.float64(2.0)},
+                {"stop_token_ids": [np.int64(1), np.True_]}, {"seed": np.float32(1)}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    for bad in ({"max_tokens": np.int64(-1)}, {"seed": np.uint64(2**64 - 1)}, {"top_p": np.float32(2)},
+                {"temperature": np.float64("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
 def test_sampling_temperature_is_below_2_63_as_an_int_or_a_float():
     assert SamplingParams(temperature=2**63 - 1).temperature == 2**63 - 1
     for bad in (2**63, 2**64 - 1, float(2**63), 1e300, float("inf"), float("nan"), -1):
