@@ -1195,13 +1195,13 @@ class Supervisor:
         # (identity, header, *buffers)
         if len(frames) < 2:
             # a ROUTER always prepends the identity; a lone frame is an empty message
-            self._drops.log("client_empty", logging.INFO, "dropped an empty message on the client socket")
+            self._drops.log("client_empty", logging.WARNING, "dropped an empty message on the client socket")
             return
         identity = frames[0]
         try:
             msg = codec.decode(frames[1:2], self.config.max_client_message_bytes, accept=CLIENT_TYPES)
         except codec.DecodeError as exc:
-            self._drops.log("bad_client_frame", logging.INFO, "bad client message: %s", exc)
+            self._drops.log("bad_client_frame", logging.WARNING, "bad client message from %s: %s", identity.hex(), exc)
             self._reply_client(identity, codec.error_for(exc))
             return
         # A batch is taken from any client (hello or not: one the fleet forgot, e.g. after a restart,
@@ -1217,7 +1217,8 @@ class Supervisor:
         else:
             for item in codec.unbatch(msg, accept=CLIENT_TYPES):
                 if isinstance(item, codec.DecodeError):  # answered like a bad frame; the others still run
-                    self._drops.log("bad_client_frame", logging.INFO, "bad client message in a batch: %s", item)
+                    self._drops.log("bad_client_frame", logging.WARNING, "bad client message in a batch from %s: %s",
+                                    identity.hex(), item)
                     self._reply_client(identity, codec.error_for(item))
                 else:
                     self._on_client_message(identity, item)

@@ -5,6 +5,7 @@ library would write them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgpack
 import pytest
@@ -16,8 +17,11 @@ from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, SamplingParams
 
+from ..helpers import wait_for
+
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
+LOGGER = "rollfleet.actors.supervisor"
 NOT_UTF8 = b"\x83\xa1v\x01\xa4type\xa5stats\xa2id\xa2\xff\xfe"  # {"v": 1, "type": "stats", "id": <not UTF-8>}
 
 
@@ -104,5 +108,31 @@ async def test_an_error_about_a_client_batch_itself_carries_the_empty_id_and_not
                 assert (answer["type"], answer["id"], answer["code"]) == ("error", "", code), answer
             assert await client.silent(0.3)
             assert sup.counters["completed"] == 0
+        finally:
+            client.close()
+
+
+async def test_bad_client_input_is_logged_at_warning_a_few_lines_then_a_count(caplog):
+    # `rollfleet serve` logs at WARNING by default: bad input must show there, but no flood of it
+    caplog.set_level(logging.WARNING, logger="rollfleet")
+
+    def lines(text: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
+
+    async with fleet() as sup:
+        client = Dealer(sup.frontend_address)
+        try:
+            await client.sock.send(msgpack.packb({"v": 1, "type": "generate", "id": "bad0", "prompt_ids": "x"}))
+            await client.answers(1)
+            (first,) = lines("bad client message")
+            assert first.levelno == logging.WARNING and "prompt_ids" in first.getMessage()
+            for i in range(1, 50):
+                await client.sock.send(b"\xc1")
+            await client.answers(49)
+            assert len(lines("bad client message")) == 5  # LogLimiter's burst
+            assert await wait_for(lambda: lines("more bad_client_frame events"), timeout=15)
+            (count,) = lines("more bad_client_frame events")
+            assert count.levelno == logging.WARNING and count.getMessage().startswith("45 more")
+            assert sup._drops.counts["bad_client_frame"] == 50
         finally:
             client.close()
