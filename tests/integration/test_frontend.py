@@ -40,10 +40,12 @@ def batch(*members: bytes, batch_id: str = "B", version: int = 1) -> bytes:
 
 
 class Dealer:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, identity: bytes | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(address)
 
     def close(self) -> None:
@@ -136,3 +138,24 @@ async def test_bad_client_input_is_logged_at_warning_a_few_lines_then_a_count(ca
             assert sup._drops.counts["bad_client_frame"] == 50
         finally:
             client.close()
+
+
+async def test_a_second_client_under_an_identity_in_use_is_never_read():
+    # PROTOCOL.md 1: no ZMQ_ROUTER_HANDOVER on the client socket
+    async with fleet() as sup:
+        first = Dealer(sup.frontend_address, identity=b"same")
+        second = None
+        try:
+            await first.sock.send(generate("a", [1], 1))
+            assert (await first.answers(1))[0]["type"] == "result"  # connected before the second one is made
+            second = Dealer(sup.frontend_address, identity=b"same")
+            await second.sock.send(generate("b", [1], 1))
+            assert await second.silent(1.0) and await first.silent(0.1)
+            first.close()
+            await second.sock.send(generate("c", [1], 1))
+            assert await second.silent(1.0)
+            assert sup.counters["completed"] == 1
+        finally:
+            for dealer in (first, second):
+                if dealer is not None and not dealer.sock.closed:
+                    dealer.close()
