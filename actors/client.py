@@ -40,6 +40,7 @@ from ..transport.messages import (
     Result,
     SamplingParams,
     Stats,
+    plain_ints,
 )
 from ..transport.sockets import SocketOptions, make_socket
 from .result import GenerationResult, StreamChunk
@@ -70,7 +71,10 @@ def _params(sampling_params: SamplingParams | dict[str, Any] | None) -> Sampling
         try:
             return SamplingParams.from_wire(sampling_params)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"sampling_params: {exc}", code="bad_field") from None
+            try:  # numpy's numbers, say, which the constructor takes as the plain ones they stand for
+                return SamplingParams(**sampling_params)
+            except (ValueError, TypeError):
+                raise InvalidRequest(f"sampling_params: {exc}", code="bad_field") from None
     raise InvalidRequest(f"sampling_params must be a SamplingParams, a dict or None, not {type(sampling_params).__name__}",
                          code="bad_field")
 
@@ -579,9 +583,13 @@ class RemoteClient(_Base):
         try:
             # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
             header = codec.encode_values(Generate, request_id, prompt_ids, params, stream, session_id, resume)
-        except (TypeError, ValueError, OverflowError) as exc:  # e.g. numpy ints in a list: nothing is registered
-            raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
-                                 code="bad_field", request_id=request_id) from None
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. a str in the list: nothing is registered
+            # numpy's ints (a list of an array's elements) go as the plain ints they stand for
+            plain = plain_ints(prompt_ids) if type(prompt_ids) is list else None
+            if plain is None or list(map(type, prompt_ids)).count(int) == len(prompt_ids):
+                raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
+                                     code="bad_field", request_id=request_id) from None
+            header = codec.encode_values(Generate, request_id, plain, params, stream, session_id, resume)
         self._check_size(f"generate {request_id!r}", header, request_id)
         self._sinks[request_id] = sink
         try:

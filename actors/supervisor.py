@@ -64,6 +64,7 @@ from ..transport.messages import (
     Stats,
     WorkerExit,
     check_control_args,
+    plain_ints,
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket
@@ -797,6 +798,10 @@ class Supervisor:
         if not owned:
             prompt_ids = list(prompt_ids)
             if list(map(type, prompt_ids)).count(int) != len(prompt_ids):  # msgpack takes Python ints, not numpy's
+                plain = plain_ints(prompt_ids)  # numpy's ints, say: taken as the ints they stand for
+                if plain is not None:
+                    prompt_ids = plain
+            if list(map(type, prompt_ids)).count(int) != len(prompt_ids):
                 raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints (a tensor's or "
                                      f"array's tolist() gives them)", code="bad_field", request_id=request_id)
         entry = Entry(

@@ -263,6 +263,14 @@ def _plain(value: Any, types: frozenset[type]) -> Any:
     return value
 
 
+def plain_ints(values: list[Any]) -> list[int] | None:
+    """``values`` as plain ints when each is an integer of some type (numpy's int64, say: a
+    list built from an array's elements), else None. For the error path of checks that take
+    plain ints only."""
+    out = [_plain(v, _INT) for v in values]
+    return out if _all_ints(out) else None
+
+
 def _all_ints(v: list[Any]) -> bool:
     return list(map(type, v)).count(int) == len(v)
 

@@ -502,7 +502,7 @@ async def test_clients_refuse_bad_arguments_with_invalid_request_before_sending(
                 for args in ((123, [1]), ("", [1]), ("p", "abc"), ("s", [1], {"max_tokens": -1}),
                              ("t", [1], {"temperature": "hot"}), ("u", [1], [("max_tokens", 2)]),
                              ("v", [1], {"max_new_tokens": 4}),  # a typo would silently take the default
-                             ("w", [np.int64(1)]), ("x", [[1, 2]]), ("y", torch.tensor([[1]]))):
+                             ("w", [True]), ("x", [[1, 2]]), ("y", torch.tensor([[1]])), ("z", [np.float32(1)])):
                     with pytest.raises(InvalidRequest) as info:
                         await asyncio.wait_for(client.generate(*args), 5)  # a bad id once hung a RemoteClient
                     assert info.value.code == "bad_field", (client, args)
@@ -513,11 +513,14 @@ async def test_clients_refuse_bad_arguments_with_invalid_request_before_sending(
                 # a tensor or an array of token ids is taken as its list
                 for prompt in (np.array([1]), torch.tensor([1])):
                     assert (await client.generate("ok", prompt, {"max_tokens": 2})).token_ids == expected_tokens([1], 2)
+                # numpy's numbers, in a list or in a dict of sampling parameters, as the plain ones
+                r = await client.generate("ok", [np.int64(1)], {"max_tokens": np.int64(2), "top_p": np.float32(0.5)})
+                assert r.token_ids == expected_tokens([1], 2)
                 assert client is remote or len(sup.table) == 0  # nothing refused stayed in flight
             # control answers in one shape from both: {worker id: reply data}
             assert await remote.control("clear_kv_cache") == await sup.client().control("clear_kv_cache")
             assert list(await remote.control("clear_kv_cache")) == [h.worker_id for h in sup.ready_workers()]
-        assert sup.counters["completed"] == 6
+        assert sup.counters["completed"] == 8
 
 def test_device_env_is_safe_and_maps_visible_devices():
     assert device_env("cpu", {}) == {}
