@@ -46,7 +46,8 @@ class WorkerHandle:
         self.weight_version = 0
         self.num_tokens = 0
         self.last_heartbeat = time.monotonic()
-        self.last_error = ""
+        self.last_error = ""  # why this incarnation failed or is being ended; "" while it is fine
+        self.earlier_error = ""  # why the slot's worker before it ended: shown until this one has its own
         self.started_at = time.monotonic()
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._send = send
@@ -117,7 +118,7 @@ class WorkerHandle:
             "num_tokens": self.num_tokens,
             "weight_version": self.weight_version,
             "restarts": restarts,
-            "last_error": self.last_error,
+            "last_error": self.last_error or self.earlier_error,
         }
 
 

@@ -272,7 +272,8 @@ class Supervisor:
         handle = WorkerHandle(index=index, generation=generation, device=device, proc=proc, send=self._send_worker)
         previous = self.slots.get(index)
         if previous is not None:
-            handle.last_error = previous.last_error  # why the slot was restarted stays visible
+            # Why the slot was restarted stays visible; it is not this worker's own reason to end.
+            handle.earlier_error = previous.last_error or previous.earlier_error
         self.workers[worker_id] = handle
         self.slots[index] = handle
         if proc.pidfd is not None:

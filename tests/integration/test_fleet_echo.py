@@ -340,6 +340,12 @@ async def test_sigkill_of_a_worker_fails_its_requests_with_a_typed_error():
         stats = await sup.stats()
         assert stats["workers"][0]["restarts"] == 1
         assert "code -9" in stats["workers"][0]["last_error"]
+        # The restarted worker's own death is told by its own exit, not by its predecessor's.
+        second = sup.slots[0]
+        os.kill(second.pid, signal.SIGTERM)
+        assert await wait_for(lambda: sup.slots[0] is not second and sup.slots[0].state.value == "ready", 10.0)
+        assert "code -9" not in second.last_error
+        assert (await sup.stats())["workers"][0]["last_error"] == second.last_error
 
 
 async def test_hung_worker_is_detected_by_missed_heartbeats():
