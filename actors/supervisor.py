@@ -303,6 +303,9 @@ class Supervisor:
         if self._closed or self._closing:
             return
         self._closing = True
+        # The socket files go first: connections made stay up without them, and a kill during
+        # the workers' grace period (SIGTERM then SIGKILL from a job manager) leaves none behind.
+        self._unlink_socket_files()
         for hook in list(self.closing_hooks):
             try:
                 hook()
@@ -360,18 +363,27 @@ class Supervisor:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._frontend_file is not None:
-            path, inode = self._frontend_file
-            self._frontend_file = None
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == inode:
-                    os.unlink(path)
+        self._unlink_socket_files()
         if self.private_dir:
             sweep_shm_lists(self.private_dir, everything=True)
             shutil.rmtree(self.private_dir, ignore_errors=True)
         # workers killed at the end of the grace period leave their OpenMP registration
         unlink_shm(kmp_names([h.pid for h in self.slots.values() if isinstance(h.proc, WorkerProcess)]))
         self._closed = True
+
+    def _unlink_socket_files(self) -> None:
+        """Remove the frontend's ipc:// socket file (if it is still the one bound here) and the
+        workers' socket file in the private directory."""
+        if self._frontend_file is not None:
+            path, inode = self._frontend_file
+            self._frontend_file = None
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+        path = ipc_path(self.worker_address) if self.private_dir else None
+        if path and os.path.dirname(path) == self.private_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def abandon(self) -> None:
         """Last resort, from another thread, when this fleet's loop cannot run ``shutdown``

@@ -588,3 +588,20 @@ async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeo
         for call in (lambda: remote.generate("a", [1]), remote.stats):
             with pytest.raises(RequestTimeout, match="no connection to a fleet at " + address):
                 await call()
+
+
+async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers(tmp_path):
+    # A job manager's SIGTERM then SIGKILL can end the supervisor while its workers take their
+    # grace period: the socket files must be gone by then, not only at the very end.
+    front = tmp_path / "front.sock"
+    sup = Supervisor(FleetConfig(engine="echo", num_workers=2, frontend_addr=f"ipc://{front}"))
+    await sup.start()
+    workers_sock = os.path.join(sup.private_dir, "workers.sock")
+    assert front.exists() and os.path.exists(workers_sock)
+    pids = [h.pid for h in sup.workers.values()]
+    task = asyncio.create_task(sup.shutdown())
+    await asyncio.sleep(0)  # shutdown has begun: the workers were told, none has exited yet
+    assert any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert not front.exists() and not os.path.exists(workers_sock)
+    await task
+    assert not os.path.exists(sup.private_dir)
