@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         add_arguments = None
     if add_arguments is not None:
-        serve = sub.add_parser("serve", help="Run a fleet and serve its client socket until SIGINT/SIGTERM.")
+        serve = sub.add_parser("serve", help="Run a fleet and serve its client socket until SIGINT/SIGTERM/SIGHUP.")
         add_arguments(serve)
         serve.set_defaults(func=_cmd_serve, command_parser=serve)
     return parser

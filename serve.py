@@ -1,4 +1,4 @@
-"""``rollfleet serve``: run a fleet and serve its client socket until SIGINT or SIGTERM.
+"""``rollfleet serve``: run a fleet and serve its client socket until SIGINT, SIGTERM or SIGHUP.
 
 Clients in any language connect a ZeroMQ DEALER socket to the printed address and speak
 the protocol of PROTOCOL.md. A signal shuts the fleet down cleanly (workers stopped, the
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rollfleet serve`` to ``parser``."""
     parser.description = (
         "Start a fleet of engine workers and serve its client-facing ZeroMQ ROUTER socket "
-        "(protocol: PROTOCOL.md) until SIGINT or SIGTERM, then shut down cleanly and exit 0."
+        "(protocol: PROTOCOL.md) until SIGINT, SIGTERM or SIGHUP (its terminal closed), then shut down cleanly "
+        "and exit 0."
     )
     parser.add_argument("--engine", default="torch", choices=ENGINES,
                         help="Engine of every worker (default torch, which runs on CPU). echo generates "
@@ -117,7 +118,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run the fleet until SIGINT/SIGTERM. Returns the exit code: 0 after a signal,
+    """Run the fleet until SIGINT/SIGTERM/SIGHUP. Returns the exit code: 0 after a signal,
     1 if the fleet failed to start, 2 on bad options."""
     from .actors import FleetConfig, Supervisor
     from .engines import check_engine_options
@@ -144,7 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = (signal.SIGINT, signal.SIGTERM)
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     fleet = Supervisor(config)
