@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -101,6 +102,43 @@ MAX_BATCH_CLIENTS = 1 << 16
 MAX_CLIENT_BATCH = 1024
 
 
+class _Leftovers:
+    """What a started Supervisor holds outside Python: its ZeroMQ context and sockets, its
+    authenticator, its worker processes, its files. Released by ``__call__`` when the
+    Supervisor is collected without having been shut down (its loop ended first): else the
+    collector would finalize the context with its sockets open and block for good in term(),
+    and the workers would run on. Holds no reference to the Supervisor."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context | None = None
+        self.sockets: list[zmq.Socket] = []
+        self.auth: Any = None
+        self.procs: set[Any] = set()
+        self.private_dir: str | None = None
+        self.frontend_file: tuple[str, int] | None = None
+
+    def __call__(self) -> None:
+        logger.warning("a started fleet was collected without shutdown(): killing its workers")
+        for proc in list(self.procs):
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.close()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        if self.auth is not None:
+            with contextlib.suppress(Exception):
+                self.auth.stop()
+        if self.ctx is not None:
+            self.ctx.term()
+        if self.frontend_file is not None:
+            with contextlib.suppress(OSError):
+                if os.stat(self.frontend_file[0]).st_ino == self.frontend_file[1]:
+                    os.unlink(self.frontend_file[0])
+        if self.private_dir:
+            sweep_shm_lists(self.private_dir, everything=True)
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
 class Supervisor:
     """Owns the worker processes and every request in flight.
 
@@ -154,6 +192,11 @@ class Supervisor:
         self._ready = False  # start() finished: every worker registered once
         self._no_workers: str | None = None  # why no worker is left and none will come back
         self._metrics: MetricsExporter | None = None
+        self._leftovers = _Leftovers()
+        # Not at exit: a fleet still running then is another thread's, and its workers go
+        # with this process anyway.
+        self._collected = weakref.finalize(self, self._leftovers)
+        self._collected.atexit = False
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "Supervisor":
@@ -177,9 +220,10 @@ class Supervisor:
         try:
             self.private_dir = tempfile.mkdtemp(prefix="rollfleet-", dir=cfg.private_dir_root)
             os.chmod(self.private_dir, 0o700)
+            self._leftovers.private_dir = self.private_dir
             claim_private_dir(self.private_dir)
             sweep_private_dirs(os.path.dirname(self.private_dir))
-            self._ctx = zmq.Context()
+            self._ctx = self._leftovers.ctx = zmq.Context()
             opts = SocketOptions(max_message_bytes=cfg.max_message_bytes)
             self.worker_address = cfg.worker_addr or f"ipc://{self.private_dir}/workers.sock"
             for addr in (self.worker_address, cfg.frontend_addr):
@@ -188,7 +232,7 @@ class Supervisor:
             server_keys = None
             if cfg.curve_keys_dir:
                 server_keys = auth.load_server_keys(cfg.curve_keys_dir)
-                self._auth = auth.Authenticator(self._ctx, cfg.curve_keys_dir)
+                self._auth = self._leftovers.auth = auth.Authenticator(self._ctx, cfg.curve_keys_dir)
                 # Spawned workers get a key pair of their own, valid for this fleet only.
                 self._worker_keys = zmq.curve_keypair()
                 self._auth.allow(self._worker_keys[0])
@@ -197,6 +241,7 @@ class Supervisor:
             sock = make_socket(self._ctx, zmq.ROUTER, self.worker_address, bind=True, options=opts,
                                curve_server_keys=server_keys if tcp_workers else None,
                                zap_domain=auth.WORKER_DOMAIN if server_keys and tcp_workers else None)
+            self._leftovers.sockets.append(sock)
             self._wsock = LoopSocket(sock, self._on_worker_frames, on_post_error=self._on_post_error)
             self.worker_address = sock.LAST_ENDPOINT.decode()
             if cfg.frontend_addr and ipc_in_use(cfg.frontend_addr):
@@ -206,11 +251,12 @@ class Supervisor:
                 sock = make_socket(self._ctx, zmq.ROUTER, cfg.frontend_addr, bind=True, options=client_opts,
                                    curve_server_keys=server_keys,
                                    zap_domain=auth.CLIENT_DOMAIN if server_keys else None)
+                self._leftovers.sockets.append(sock)
                 self._fsock = LoopSocket(sock, self._on_frontend_frames, on_post_error=self._on_client_gone)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
                 path = ipc_path(self.frontend_address)
                 if path is not None:  # removed at shutdown if it is still this fleet's file
-                    self._frontend_file = (path, os.stat(path).st_ino)
+                    self._frontend_file = self._leftovers.frontend_file = (path, os.stat(path).st_ino)
             if cfg.metrics_port is not None:
                 self._metrics = MetricsExporter(cfg.metrics_port)
             self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]
@@ -269,6 +315,7 @@ class Supervisor:
             # would pile up for as long as the fleet runs.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.private_dir, f"w{index}-{generation - 2}.log"))
+        self._leftovers.procs.add(proc)
         handle = WorkerHandle(index=index, generation=generation, device=device, proc=proc, send=self._send_worker)
         previous = self.slots.get(index)
         if previous is not None:
@@ -351,6 +398,7 @@ class Supervisor:
         """Close the sockets, the authenticator, the metrics endpoint and the ZeroMQ context,
         and remove the frontend's socket file and the private directory. Idempotent; on the
         fleet's loop (the end of ``shutdown``, or queued there by a SyncClient that abandoned it)."""
+        self._collected.detach()
         for lsock in (self._wsock, self._fsock):
             if lsock is not None:
                 lsock.close(linger=0)
@@ -431,6 +479,7 @@ class Supervisor:
         handle.state = WorkerState.DEAD
         handle.proc.kill()
         handle.proc.close()
+        self._leftovers.procs.discard(handle.proc)
         handle.fail_calls(reason)
         self.router.remove_worker(handle.worker_id)
         self.workers.pop(handle.worker_id, None)

@@ -605,3 +605,29 @@ async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers
     assert not front.exists() and not os.path.exists(workers_sock)
     await task
     assert not os.path.exists(sup.private_dir)
+
+
+def test_a_started_fleet_collected_without_shutdown_kills_its_workers_and_does_not_hang():
+    # Started, never shut down, its loop ended: collecting it used to block for good in the
+    # ZeroMQ context's term() (its sockets still open), with its workers running on.
+    script = textwrap.dedent("""
+        import asyncio, gc, os, time
+        import psutil
+        from rollfleet.actors import FleetConfig, Supervisor
+
+        async def main():
+            sup = Supervisor(FleetConfig(engine="echo", num_workers=2))
+            await sup.start()
+            return sup.private_dir, [h.pid for h in sup.workers.values()]
+
+        private, pids = asyncio.run(main())
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+            time.sleep(0.05)
+        print(any(psutil.pid_exists(p) for p in pids), os.path.exists(private), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+    assert "collected without shutdown()" in out.stderr
