@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,10 +179,17 @@ def claim_private_dir(private_dir: str) -> None:
         f.write(f"{me.pid} {me.create_time()!r}\n")
 
 
+# A directory with nothing in it but an owner file that is empty or missing is one whose
+# supervisor was killed while making it: removed once it is this old (seconds), when no
+# supervisor can still be about to write it.
+UNCLAIMED_AGE_S = 60.0
+
+
 def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
     """Remove the private directories under ``root`` whose owner process is gone (their
-    socket files and logs), unlinking first the shm names their engines listed. Directories
-    without an owner file (not a supervisor's) and other users' are left alone."""
+    socket files and logs), unlinking first the shm names their engines listed, and those
+    left empty by a supervisor killed while making one. Other directories without an owner
+    file (not a supervisor's) and other users' are left alone."""
     removed = []
     try:
         names = [n for n in os.listdir(root) if n.startswith(prefix)]
@@ -196,6 +204,9 @@ def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
                 pid_text, start_text = f.read().split()
             pid, start = int(pid_text), float(start_text)
         except (OSError, ValueError):
+            if _unclaimed(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
             continue
         if _alive(pid, start):
             continue
@@ -205,6 +216,17 @@ def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
     if removed:
         logger.warning("removed %d private directories left by dead supervisors: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def _unclaimed(path: str) -> bool:
+    try:
+        st = os.stat(path)
+        if st.st_uid != os.getuid() or time.time() - st.st_mtime < UNCLAIMED_AGE_S:
+            return False
+        entries = os.listdir(path)
+        return all(e == OWNER_FILE and os.path.getsize(os.path.join(path, e)) == 0 for e in entries)
+    except OSError:
+        return False
 
 
 def _alive(pid: int, start_time: float) -> bool:

@@ -80,3 +80,25 @@ def test_record_shm_writes_one_name_a_line(tmp_path):
     path = record_shm(str(tmp_path), {"psm_b", "psm_a"})
     assert os.path.basename(path) == f"shm-{os.getpid()}.list"
     assert open(path).read() == "psm_a\npsm_b\n"
+
+
+def test_private_dirs_of_dead_supervisors_and_those_left_half_made_are_swept(tmp_path):
+    from rollfleet.actors.process import OWNER_FILE, UNCLAIMED_AGE_S, claim_private_dir, sweep_private_dirs
+
+    old = os.stat(tmp_path).st_mtime - UNCLAIMED_AGE_S - 5
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dirs = {name: tmp_path / name for name in ("rollfleet-dead", "rollfleet-mine", "rollfleet-empty-old",
+                                                "rollfleet-halfowner-old", "rollfleet-empty-new", "rollfleet-model")}
+    for d in dirs.values():
+        d.mkdir()
+    (dirs["rollfleet-dead"] / OWNER_FILE).write_text(f"{dead.stdout.strip()} 1.0\n")  # its owner has exited
+    (dirs["rollfleet-dead"] / "workers.sock").write_text("")
+    claim_private_dir(str(dirs["rollfleet-mine"]))  # alive: this process
+    (dirs["rollfleet-halfowner-old"] / OWNER_FILE).write_text("")  # killed while writing its owner file
+    (dirs["rollfleet-model"] / "config.json").write_text("{}")  # not a supervisor's: no owner file
+    for name in ("rollfleet-empty-old", "rollfleet-halfowner-old", "rollfleet-model"):
+        os.utime(dirs[name], (old, old))
+    removed = sweep_private_dirs(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == ["rollfleet-dead", "rollfleet-empty-old",
+                                                            "rollfleet-halfowner-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollfleet-empty-new", "rollfleet-mine", "rollfleet-model"]
