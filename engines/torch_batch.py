@@ -18,7 +18,11 @@ import torch
 
 from ..transport.messages import SamplingParams
 
-__all__ = ["Batch", "pad_left", "sample"]
+__all__ = ["Batch", "SAMPLING_EPS", "pad_left", "sample"]
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy, as in vLLM: dividing float32 logits by a tinier one
+overflows to inf, and the softmax of that is NaN."""
 
 
 class Batch:
@@ -94,7 +98,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     Row work is batched; only the one uniform draw per row comes from that row's own
     generator, so a seeded request draws the same tokens in any batch. Sorting the vocab
-    is slow on a CPU, so only rows with top_p < 1 are sorted.
+    is slow on a CPU, so only rows with top_p < 1 are sorted. Temperatures must be at least
+    ``SAMPLING_EPS`` (the caller takes the argmax below it).
     """
     vocab = logits.shape[1]
     device, dtype = logits.device, logits.dtype
@@ -111,8 +116,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         sub = x[nucleus]
         sorted_x = torch.sort(sub, dim=-1, descending=True).values
         probs = torch.softmax(sorted_x, dim=-1)
-        # Keep tokens while the mass before them is below top_p: a prefix, never empty.
-        num_keep = ((torch.cumsum(probs, dim=-1) - probs) < top_p).sum(dim=1, keepdim=True)
+        # Keep tokens while the mass before them is below top_p, and always the most likely one
+        # (as vLLM does): a top_p that float32 rounds to 0 (1e-300) would otherwise keep none.
+        num_keep = ((torch.cumsum(probs, dim=-1) - probs) < top_p).sum(dim=1, keepdim=True).clamp(min=1)
         x[nucleus] = sub.masked_fill(sub < sorted_x.gather(1, num_keep - 1), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)

@@ -5,8 +5,9 @@ engine thread (``torch_runner``) that decodes all running requests together over
 left-padded KV cache (``torch_batch``), so the asyncio loop of the worker process stays
 free for heartbeats and aborts.
 
-Sampling: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``); otherwise
-top-k, then top-p, then a draw from the request's own ``torch.Generator``, seeded with
+Sampling: temperature 0 is greedy (argmax, as ``generate(do_sample=False)``), and so is any
+temperature below 1e-5, as in vLLM; otherwise top-k, then top-p (which always keeps the most
+likely token), then a draw from the request's own ``torch.Generator``, seeded with
 ``params.seed`` (when unset, from the engine's ``sampling_seed`` option and arrival order).
 Logprobs are ``log_softmax`` of the raw logits, before temperature and filtering, so they
 say how likely the model itself found the token, whatever the sampling settings.

@@ -28,7 +28,7 @@ import torch
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
 from .base import EngineOutput
-from .torch_batch import Batch, sample
+from .torch_batch import SAMPLING_EPS, Batch, sample
 
 __all__ = ["Runner", "Seq"]
 
@@ -250,7 +250,7 @@ class Runner:
         """Choose one token per row, record it, and queue its output (finished or not)."""
         logits = logits.float()
         chosen = logits.argmax(dim=-1)
-        rows = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.temperature >= SAMPLING_EPS]
         if rows:
             picked = [seqs[i] for i in rows]
             for seq in picked:

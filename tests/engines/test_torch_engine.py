@@ -162,6 +162,39 @@ async def test_sampler_follows_temperature_top_k_and_top_p():
     assert freqs(temperature=0.5) == pytest.approx(sharp, abs=0.015)
 
 
+async def test_sampler_keeps_the_most_likely_token_under_any_top_p():
+    logits = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    for top_p in (1e-300, 5e-324, 1e-8):  # float32 makes the first two 0
+        params = [SamplingParams(temperature=1.0, top_p=top_p)] * 4
+        assert torch.equal(sample(logits, params, gens), logits.argmax(dim=-1)), top_p
+    params = [SamplingParams(temperature=1.0, top_p=1e-300, top_k=k) for k in (-1, 0, 1, 512)]
+    assert torch.equal(sample(logits, params, gens), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("sampling", [
+    {"top_p": 1e-300}, {"top_p": 5e-324}, {"temperature": 1e-40}, {"temperature": 5e-324},
+    {"temperature": 9e-6, "top_k": 5}, {"temperature": 1e-30, "top_p": 1e-300, "top_k": 1},
+])
+async def test_edge_sampling_values_sample_the_most_likely_token(engine, sampling):
+    # A top_p below float32's reach keeps the most likely token; a temperature below 1e-5 is
+    # greedy (vLLM's rule), not a division that overflows to NaN.
+    prompt = prompts(1, seed=5)[0]
+    greedy = (await collect(engine, "edge-greedy", prompt, GREEDY))[0]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, seed=7, **sampling)
+    assert (await collect(engine, "edge", prompt, params))[0] == greedy
+
+
+async def test_extreme_but_valid_sampling_values_keep_the_engine_serving(engine):
+    prompt = prompts(1, seed=6)[0]
+    for i, sampling in enumerate([{"temperature": 1e30}, {"temperature": 1e300, "top_k": 512},
+                                  {"top_k": 10**18}, {"top_k": -1, "top_p": 1.0}, {"seed": -(2**63)},
+                                  {"seed": 2**63 - 1, "top_p": 0.999999999999}]):
+        tokens, _, reason, _ = await collect(engine, f"extreme-{i}", prompt, SamplingParams(max_tokens=8, **sampling))
+        assert len(tokens) <= 8 and reason in ("length", "stop") and all(0 <= t < 512 for t in tokens), sampling
+    assert len((await collect(engine, "extreme-after", prompt, GREEDY))[0]) == 32
+
+
 async def test_stop_tokens_and_max_tokens_end_the_stream(engine):
     prompt = prompts(1, seed=5)[0]
     full = (await collect(engine, "stop-full", prompt, GREEDY))[0]
