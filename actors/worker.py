@@ -186,8 +186,15 @@ class EngineWorker:
                 logger.exception("engine shutdown failed")
 
     async def _fatal(self, reason: str) -> None:
-        """Tell the supervisor why, then stop; it restarts this worker if its policy allows."""
+        """Tell the supervisor why, then stop; it restarts this worker if its policy allows, and
+        resumes its requests elsewhere from the tokens reported first. Only the first reason is
+        told: whatever fails after it fails because of it."""
+        if self._stop.is_set():
+            return
         logger.error("worker %s: fatal: %s", self.worker_id, reason)
+        if self._report_timer is not None:
+            self._report_timer.cancel()
+        self._report()  # the tokens made but not yet reported: a resume goes on after them
         self._send(WorkerExit(id="fatal", reason=reason, fatal=True))
         self._exit_code = 4
         self._stop.set()
@@ -223,11 +230,13 @@ class EngineWorker:
             self._send(Error(id=msg.id, code="internal", message=repr(exc)))
 
     def _dispatch(self, msg: Message, buffers: list[memoryview]) -> None:
+        if self._stop.is_set():
+            # Exiting (after a shutdown, or a WorkerExit went out first): what the supervisor asks
+            # now goes unanswered, and its death path takes it up once this process is gone. An
+            # answer would do harm: an error fails a request that is resumed elsewhere, and a stats
+            # or weights reply makes a worker whose engine died look as if it still served.
+            return
         if isinstance(msg, Generate):
-            if self._stop.is_set():
-                # Exiting (a WorkerExit went out first): when this process is gone the
-                # supervisor resumes the request elsewhere; an error now would fail it.
-                return
             if msg.id in self._tasks:
                 self._send(Error(id=msg.id, code="duplicate_request", request_id=msg.id))
             else:
@@ -254,6 +263,10 @@ class EngineWorker:
     async def _heartbeat_loop(self) -> None:
         interval = float(self.config.get("heartbeat_interval_s", 1.0))
         while True:
+            if getattr(self.engine, "dead", False):
+                # An engine that died with nothing running, which no request noticed.
+                await self._fatal(f"the {self.config['engine']} engine is dead")
+                return
             self._send(
                 Heartbeat(
                     id="hb",
@@ -344,9 +357,16 @@ class EngineWorker:
             logger.warning("request %s refused: %s", msg.id, exc)
             self._send(Error(id=msg.id, code=exc.code, message=str(exc), request_id=msg.id))
         except Exception as exc:
-            logger.exception("request %s failed", msg.id)
-            self._send(Error(id=msg.id, code="engine_error", message=repr(exc), request_id=msg.id))
-            if _is_fatal(exc) or getattr(self.engine, "dead", False):
+            dead = getattr(self.engine, "dead", False)
+            if dead:
+                # The engine died under this request, which is not at fault: no answer, so that it
+                # resumes on another worker once this one is gone. A request that raised EngineDead
+                # itself, from an engine not flagged dead, is answered: it may kill the next one too.
+                logger.warning("request %s stopped: the engine died (%r)", msg.id, exc)
+            else:
+                logger.exception("request %s failed", msg.id)
+                self._send(Error(id=msg.id, code="engine_error", message=repr(exc), request_id=msg.id))
+            if dead or _is_fatal(exc):
                 await self._fatal(f"engine died serving a request: {exc!r}")
         finally:
             self._unreported.pop(msg.id, None)
@@ -407,7 +427,7 @@ class EngineWorker:
         except Exception as exc:
             logger.exception("control %s failed", op)
             self._send(Error(id=msg.id, code="engine_error", message=repr(exc)))
-            if _is_fatal(exc):
+            if _is_fatal(exc) or getattr(self.engine, "dead", False):
                 await self._fatal(f"engine died in {op}: {exc!r}")
             return
         self._send(Reply(id=msg.id, data={"op": op}))

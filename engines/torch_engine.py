@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..errors import DuplicateRequest, EngineFailed, FleetClosed
+from ..errors import DuplicateRequest, FleetClosed
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineOutput, check_prompt
+from .base import Engine, EngineDead, EngineOutput, check_prompt
 from .torch_runner import Runner, Seq, settle
 
 __all__ = ["TorchEngine"]
@@ -78,7 +78,8 @@ class TorchEngine(Engine):
         """Load the model and start the engine thread; raises what loading raises."""
         self.model = await asyncio.to_thread(self._load_model)
         self._runner = Runner(self.model, device=self.device, max_batch_size=self.max_batch_size,
-                              seed=self.sampling_seed, num_threads=self.num_threads, loop=asyncio.get_running_loop())
+                              seed=self.sampling_seed, num_threads=self.num_threads, loop=asyncio.get_running_loop(),
+                              on_death=self._on_death)
         self._runner.start()
         logger.info("torch engine ready on %s (%s, max batch %d)", self.device, self.dtype, self.max_batch_size)
 
@@ -113,6 +114,18 @@ class TorchEngine(Engine):
                 seq.done = True
                 seq.queue.put_nowait(seq.final(FinishReason.ABORT.value))
 
+    def _on_death(self, reason: str) -> None:
+        """The engine thread died: end every open stream with EngineDead (after what the thread
+        sent before it died), so that the worker exits and its requests resume elsewhere."""
+        for seq in self._requests.values():
+            seq.done = True
+            seq.queue.put_nowait(EngineDead(reason))
+
+    @property
+    def dead(self) -> bool:
+        """True once the engine thread has died: the engine can serve nothing more."""
+        return self._runner is not None and self._runner.failure is not None
+
     def capabilities(self) -> set[str]:
         return {"pause", "sleep", "load_weights", "clear_kv_cache", "profile", "logprobs"}
 
@@ -128,7 +141,8 @@ class TorchEngine(Engine):
         """Stream new tokens until a finish_reason.
 
         Raises InvalidRequest (empty, too long or out-of-vocabulary prompt),
-        DuplicateRequest, FleetClosed (not started or shut down), EngineFailed.
+        DuplicateRequest, FleetClosed (not started or shut down), EngineFailed (its prefill or
+        a decode step failed), EngineDead (the engine thread died).
         """
         runner = self._live()
         if request_id in self._requests:
@@ -242,7 +256,7 @@ class TorchEngine(Engine):
     def _live(self) -> Runner:
         runner = self._runner
         if runner is not None and runner.failure is not None:
-            raise EngineFailed(f"torch engine thread died: {runner.failure!r}")
+            raise EngineDead(f"torch engine thread died: {runner.failure!r}")
         if runner is None or self._closed:
             raise FleetClosed("torch engine is not running")
         return runner

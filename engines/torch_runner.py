@@ -6,6 +6,10 @@ reads each request's asyncio.Queue; the thread answers through
 ...) run on the thread between two steps, so they never race a forward pass and need no
 lock; ``call`` returns once the thread has run one, so after ``pause`` no step is running.
 
+An exception outside a forward pass is a bug, not a bad request: the thread dies, and on the
+loop the control calls still waiting fail and ``on_death`` is told (the engine then ends every
+open stream with ``EngineDead``, and the worker exits).
+
 Each turn: handle the inbox; unless paused or asleep, prefill waiting requests one at a
 time (unpadded, so a prompt is computed exactly as transformers' ``generate`` computes
 it), add them to the running ``Batch``, then run one decode step for all of them.
@@ -20,14 +24,14 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
-from .base import EngineOutput
+from .base import EngineDead, EngineOutput
 from .torch_batch import SAMPLING_EPS, Batch, sample
 
 __all__ = ["Runner", "Seq"]
@@ -58,8 +62,10 @@ class Seq:
 
 class Runner:
     def __init__(self, model: Any, *, device: torch.device, max_batch_size: int, seed: int,
-                 num_threads: int | None, loop: asyncio.AbstractEventLoop) -> None:
+                 num_threads: int | None, loop: asyncio.AbstractEventLoop,
+                 on_death: Callable[[str], None]) -> None:
         self.model = model
+        self.on_death = on_death  # called on the loop, with the reason, once the thread has died
         self.device = device
         self.max_batch_size = max_batch_size
         self.num_threads = num_threads
@@ -125,30 +131,34 @@ class Runner:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        if self.num_threads is not None:
-            # Again here: with OpenMP the setting can be per calling thread.
-            torch.set_num_threads(self.num_threads)
         try:
+            if self.num_threads is not None:
+                # Again here: with OpenMP the setting can be per calling thread.
+                torch.set_num_threads(self.num_threads)
             with torch.inference_mode():
                 while self._turn():
                     pass
-        except BaseException as exc:  # a bug, not a bad request: fail everything loudly
+        except BaseException as exc:  # a bug, not a bad request: the engine is dead
             logger.exception("torch engine thread died")
             self.failure = exc
-            error = EngineFailed(f"torch engine thread died: {exc!r}")
-            self._send([(s, error) for s in [*self.batch.seqs, *self.waiting]])
-            with self._cond:
-                items = list(self._inbox)
-                self._inbox.clear()
-            for item in items:
-                if item[0] == "call":
-                    self._to_loop(settle, item[3], None, error)
-                elif item[0] == "add":
-                    self._send([(item[1], error)])
+            # On the loop, not here: a request that finished in the step that raised has its last
+            # output in that step's list, which is lost, and only the loop knows every open stream.
+            self._to_loop(self._died, f"torch engine thread died: {exc!r}")
         finally:
             if self._profiler is not None:  # stopped mid-profile: stop recording, keep nothing
                 self._profiler[0].stop()
                 self._profiler = None
+
+    def _died(self, reason: str) -> None:
+        """On the loop, once the thread has died: fail the control calls it left, then tell
+        ``on_death``. ``call`` posts nothing from here on, since ``alive`` is False."""
+        with self._cond:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for item in items:
+            if item[0] == "call":
+                settle(item[3], None, EngineDead(reason))
+        self.on_death(reason)
 
     def _turn(self) -> bool:
         with self._cond:

@@ -14,7 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 from rollfleet.engines.tiny import build_tiny_llama, tiny_llama_model  # noqa: E402
 from rollfleet.engines.torch_batch import sample  # noqa: E402
+from rollfleet.engines.base import EngineDead  # noqa: E402
 from rollfleet.engines.torch_engine import TorchEngine  # noqa: E402
+from rollfleet.engines.torch_runner import Runner  # noqa: E402
 from rollfleet.errors import DuplicateRequest, FleetClosed, InvalidRequest, Unsupported  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
@@ -50,6 +52,11 @@ async def collect(engine, rid, prompt, params):
         logprobs += out.logprobs or []
         reason = out.finish_reason
     return tokens, logprobs, reason, chunks
+
+
+async def collect_rest(stream):
+    """What is left of a stream already started."""
+    return [out async for out in stream]
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +420,38 @@ async def test_shutdown_ends_open_streams_and_is_idempotent():
         await collect(eng, "after", [1, 3], GREEDY)
     with pytest.raises(FleetClosed):
         await eng.pause()
+
+
+async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead(monkeypatch):
+    eng = TorchEngine({})
+    await eng.start()
+    try:
+        running = eng.generate("running", [1, 3], GREEDY.replace(max_tokens=400))
+        await anext(running)
+        emit = Runner._emit
+
+        def failing_emit(self, seqs, logits, out):
+            if any(seq.request_id == "killer" for seq in seqs):
+                raise RuntimeError("injected fault")
+            return emit(self, seqs, logits, out)
+
+        monkeypatch.setattr(Runner, "_emit", failing_emit)
+        # The thread dies sampling the killer's first token, after its prefill: the killer is then
+        # neither waiting nor in the batch, and must be told all the same.
+        with pytest.raises(EngineDead, match="injected fault"):
+            await asyncio.wait_for(collect(eng, "killer", [1, 4], GREEDY), 10)
+        with pytest.raises(EngineDead, match="torch engine thread died"):
+            await asyncio.wait_for(collect_rest(running), 10)
+        assert eng.dead
+        await eng.abort("running")  # nothing left to stop: no error
+        with pytest.raises(EngineDead):
+            await collect(eng, "after", [1, 3], GREEDY)
+        with pytest.raises(EngineDead):
+            await eng.pause()
+        with pytest.raises(EngineDead):
+            await eng.load_weights([])
+    finally:
+        await eng.shutdown()
 
 
 @pytest.mark.gpu

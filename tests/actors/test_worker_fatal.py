@@ -1,0 +1,109 @@
+"""A worker whose engine dies, in this process: it tells the supervisor once, then answers
+nothing more, and the requests the engine died under get no error (they resume elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollfleet.actors.worker import EngineWorker
+from rollfleet.engines.base import Engine, EngineDead, EngineOutput
+from rollfleet.transport import codec
+from rollfleet.transport.messages import Batch, Chunk, Error, Generate, SamplingParams, Stats, WorkerExit
+
+from ..helpers import wait_for
+
+
+class Sent:
+    """Stands for the worker's socket: keeps every message it posts, batches opened."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+
+    def post(self, identity, frame) -> None:
+        msg = codec.decode([frame])
+        self.messages.extend(codec.unbatch(msg) if isinstance(msg, Batch) else [msg])
+
+    def of(self, kind) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+
+class DyingEngine(Engine):
+    """Makes one token per request, then waits until ``die`` fails every request at once, as
+    the torch engine does when its thread dies."""
+
+    name = "dying"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = False
+        self.started = 0
+        self._died = asyncio.Event()
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request_id, prompt_ids, params):
+        yield EngineOutput([7])
+        self.started += 1
+        await self._died.wait()
+        raise EngineDead("engine thread died: RuntimeError('boom')")
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def die(self) -> None:
+        self.dead = True
+        self._died.set()
+
+
+def make_worker(engine: Engine) -> tuple[EngineWorker, Sent]:
+    worker = EngineWorker({"worker_id": "w0-0", "engine": engine.name, "heartbeat_interval_s": 0.01,
+                           "report_interval_s": 60})
+    worker.engine = engine
+    worker._sock = sent = Sent()
+    return worker, sent
+
+
+async def test_requests_the_engine_died_under_get_no_error_and_the_worker_exits_once():
+    engine = DyingEngine()
+    worker, sent = make_worker(engine)
+    for rid in ("a", "b"):
+        worker._dispatch(Generate(id=rid, prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=10)), [])
+    assert await wait_for(lambda: engine.started == 2)
+    engine.die()
+    assert await wait_for(lambda: not worker._tasks)
+    assert sent.of(Error) == []  # both resume elsewhere once the worker is gone
+    (exit_msg,) = sent.of(WorkerExit)
+    assert exit_msg.fatal and "boom" in exit_msg.reason
+    assert worker._stop.is_set() and worker._exit_code == 4
+    # Their tokens were reported before the exit (the report interval had not come), so a
+    # resume goes on after them.
+    assert {c.id: c.token_ids for c in sent.of(Chunk)} == {"a": [7], "b": [7]}
+    assert sent.messages.index(exit_msg) > max(sent.messages.index(c) for c in sent.of(Chunk))
+
+
+async def test_an_exiting_worker_answers_nothing():
+    engine = DyingEngine()
+    worker, sent = make_worker(engine)
+    engine.dead = True
+    await worker._fatal("engine died")
+    before = len(sent.messages)
+    worker._dispatch(Stats(id="s1"), [])
+    worker._dispatch(Generate(id="late", prompt_ids=[1], sampling=SamplingParams()), [])
+    await asyncio.sleep(0.05)
+    assert len(sent.messages) == before and not worker._tasks
+    await worker._fatal("a second reason")
+    assert len(sent.of(WorkerExit)) == 1 and sent.of(WorkerExit)[0].reason == "engine died"
+
+
+async def test_an_engine_that_died_with_nothing_running_is_found_at_a_heartbeat():
+    engine = DyingEngine()
+    worker, sent = make_worker(engine)
+    heartbeats = asyncio.create_task(worker._heartbeat_loop())
+    await asyncio.sleep(0.05)
+    assert not worker._stop.is_set()
+    engine.dead = True
+    await asyncio.wait_for(heartbeats, 5)
+    (exit_msg,) = sent.of(WorkerExit)
+    assert exit_msg.fatal and "dying engine is dead" in exit_msg.reason
+    assert worker._stop.is_set() and worker._exit_code == 4
