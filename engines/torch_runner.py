@@ -87,6 +87,7 @@ class Runner:
         self._profiler: tuple[Any, str] | None = None
         self._cond = threading.Condition()
         self._inbox: deque[tuple[Any, ...]] = deque()
+        self._taken: list[tuple[Any, ...]] = []  # the inbox items this turn is handling
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="rollfleet-torch-engine", daemon=True)
 
@@ -150,10 +151,11 @@ class Runner:
                 self._profiler = None
 
     def _died(self, reason: str) -> None:
-        """On the loop, once the thread has died: fail the control calls it left, then tell
-        ``on_death``. ``call`` posts nothing from here on, since ``alive`` is False."""
+        """On the loop, once the thread has died: fail the control calls it left (one it died in
+        included: a BaseException from it is not caught), then tell ``on_death``. ``call`` posts
+        nothing from here on, since ``alive`` is False."""
         with self._cond:
-            items = list(self._inbox)
+            items = self._taken + list(self._inbox)
             self._inbox.clear()
         for item in items:
             if item[0] == "call":
@@ -166,7 +168,7 @@ class Runner:
                 self._cond.wait()
             if self._stopping:
                 return False
-            items = list(self._inbox)
+            items = self._taken = list(self._inbox)
             self._inbox.clear()
         out: list[tuple[Seq, Any]] = []
         aborted: set[Seq] = set()
@@ -182,6 +184,7 @@ class Runner:
                 except Exception as exc:
                     result, error = None, exc
                 self._to_loop(settle, fut, result, error)
+        self._taken = []
         if aborted:
             self._abort(aborted, out)
         if self._runnable():

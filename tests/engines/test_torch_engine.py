@@ -454,6 +454,24 @@ async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead(monk
         await eng.shutdown()
 
 
+async def test_a_control_call_the_engine_thread_dies_in_fails_with_engine_dead(monkeypatch):
+    class Fault(BaseException):  # not an Exception: the thread does not catch it
+        pass
+
+    def set_paused(self, paused):
+        raise Fault("injected fault")
+
+    monkeypatch.setattr(Runner, "set_paused", set_paused)
+    eng = TorchEngine({})
+    await eng.start()
+    try:
+        with pytest.raises(EngineDead, match="injected fault"):
+            await asyncio.wait_for(eng.pause(), 10)
+        assert eng.dead
+    finally:
+        await eng.shutdown()
+
+
 @pytest.mark.gpu
 async def test_cuda_greedy_matches_transformers_and_sleep_frees_the_gpu(tiny_model_dir):
     if not torch.cuda.is_available():
