@@ -64,9 +64,15 @@ request's new tokens at once, so that they leave in one message: a worker runnin
 requests sends a few messages per interval, not one per request."""
 
 
-def _is_fatal(exc: BaseException) -> bool:
-    # Adapters raise EngineDead (or set a `dead` flag, checked where this is called).
-    return isinstance(exc, EngineDead)
+def _is_fatal(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the engine is dead: an EngineDead, or an error raised from one (the
+    weight receiver reports a failed load as EngineFailed, with the EngineDead as its cause).
+    Adapters may instead set a ``dead`` flag, checked where this is called."""
+    while exc is not None:
+        if isinstance(exc, EngineDead):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 class EngineWorker:

@@ -1,5 +1,6 @@
 """A worker whose engine dies, in this process: it tells the supervisor once, then answers
-nothing more, and the requests the engine died under get no error (they resume elsewhere)."""
+nothing more, and the requests the engine died under get no error (they resume elsewhere).
+An engine dying in a weight update is fatal too, though the receiver wraps its EngineDead."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import asyncio
 from rollfleet.actors.worker import EngineWorker
 from rollfleet.engines.base import Engine, EngineDead, EngineOutput
 from rollfleet.transport import codec
-from rollfleet.transport.messages import Batch, Chunk, Error, Generate, SamplingParams, Stats, WorkerExit
+from rollfleet.transport.messages import (
+    Batch, Chunk, Error, Generate, Reply, SamplingParams, Stats, WeightsBegin, WeightsBucket, WorkerExit,
+)
 
 from ..helpers import wait_for
 
@@ -107,3 +110,42 @@ async def test_an_engine_that_died_with_nothing_running_is_found_at_a_heartbeat(
     (exit_msg,) = sent.of(WorkerExit)
     assert exit_msg.fatal and "dying engine is dead" in exit_msg.reason
     assert worker._stop.is_set() and worker._exit_code == 4
+
+
+class ReloadKills(Engine):
+    """Loses its model in every weight load, and says so only by raising EngineDead (no
+    ``dead`` flag)."""
+
+    name = "reload-kills"
+
+    async def start(self) -> None:
+        return None
+
+    def generate(self, request_id, prompt_ids, params):  # pragma: no cover - not used here
+        raise NotImplementedError
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def capabilities(self) -> set[str]:
+        return {"load_weights"}
+
+    async def load_weights(self, weights) -> None:
+        list(weights)
+        raise EngineDead("reload failed half-way: the model is lost")
+
+
+async def test_an_engine_that_dies_loading_weights_makes_the_worker_exit_and_the_error_says_why():
+    worker, sent = make_worker(ReloadKills())
+    await worker._weights(WeightsBegin(id="u1.begin", version=1, transport="zmq", bucket_bytes=16,
+                                       buffers=[{"size": 16}]), [])
+    assert [m.id for m in sent.of(Reply)] == ["u1.begin"]
+    entry = {"name": "w", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}
+    await worker._weights(WeightsBucket(id="u1.b0", index=0, buffer=0, tensors=[entry]), [memoryview(bytes(16))])
+    (error,) = sent.of(Error)
+    assert error.id == "u1.b0" and error.code == "weights_failed"
+    assert "EngineDead: reload failed half-way" in error.message  # the receiver's EngineFailed names it
+    (exit_msg,) = sent.of(WorkerExit)
+    assert exit_msg.fatal and "engine died loading weights" in exit_msg.reason
+    assert worker._stop.is_set() and worker._exit_code == 4
+    worker._receiver.close()

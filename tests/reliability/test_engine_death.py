@@ -1,10 +1,12 @@
 """A torch engine whose thread dies, in a real fleet: its worker exits and is restarted, and
-its requests resume on the other worker; none fails, none is left waiting.
+its requests resume on the other worker; none fails, none is left waiting. One that dies in a
+weight update fails that update, and the next one goes to the restarted worker.
 
-Nothing a request can ask makes the engine thread raise, so the workers of this test load a
-``sitecustomize`` (on their PYTHONPATH only) that makes it raise once, while it samples a
-request with a given seed; the marker file makes it fire in one worker only, so the request
-that set it off completes where it resumes.
+Nothing a request or an update can carry makes the engine thread raise, so the workers of
+these tests load a ``sitecustomize`` (on their PYTHONPATH only) that makes it raise: once,
+while it samples a request with a given seed (the marker file makes it fire in one worker
+only, so the request that set it off completes where it resumes), or when it is given a
+tensor named ``kill.engine``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rollfleet.actors import FleetConfig, Supervisor  # noqa: E402
+from rollfleet.engines.tiny import tiny_llama_model  # noqa: E402
+from rollfleet.errors import WeightUpdateError  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
 from .helpers import assert_clean, wait_for, worker_pids  # noqa: E402
@@ -46,14 +50,32 @@ HOOK = textwrap.dedent(f"""
             return _emit(self, seqs, logits, out)
 
         torch_runner.Runner._emit = _failing_emit
+
+        class InjectedFault(BaseException):  # not an Exception: the thread does not catch it
+            pass
+
+        _load_weights = torch_runner.Runner.load_weights
+
+        def _failing_load_weights(self, weights):
+            weights = list(weights)
+            if any(name == "kill.engine" for name, _ in weights):
+                raise InjectedFault("injected fault in the engine thread")
+            return _load_weights(self, weights)
+
+        torch_runner.Runner.load_weights = _failing_load_weights
 """)
 
 
-async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_resume(tmp_path):
+def hooked_workers(tmp_path) -> dict[str, str]:
+    """The environment of workers that load HOOK."""
     (tmp_path / "sitecustomize.py").write_text(HOOK)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
+            "ENGINE_FAULT_MARKER": str(tmp_path / "fired")}
+
+
+async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_resume(tmp_path):
+    env = hooked_workers(tmp_path)
     marker = tmp_path / "fired"
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
-           "ENGINE_FAULT_MARKER": str(marker)}
     cfg = FleetConfig(engine="torch", num_workers=2, deterministic_routing=True, worker_env=env)
     sup = Supervisor(cfg)
     async with sup:
@@ -83,5 +105,26 @@ async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_r
         again = await asyncio.gather(*(client.generate(f"after{i}", [1, 20 + i], greedy.replace(max_tokens=8))
                                        for i in range(4)))
         assert {r.worker for r in again} == {h.worker_id for h in sup.ready_workers()}
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
+async def test_an_engine_that_dies_in_a_weight_update_is_restarted_and_the_next_update_reaches_it(tmp_path):
+    sup = Supervisor(FleetConfig(engine="torch", num_workers=1, worker_env=hooked_workers(tmp_path)))
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        with pytest.raises(WeightUpdateError, match="EngineDead: torch engine thread died") as info:
+            await client.update_weights([("kill.engine", torch.zeros(2))], version=1)
+        assert "injected fault in the engine thread" in str(info.value)
+        # The worker said why and exited, and the failed update did not end before it was gone:
+        # the next one waits for the restarted worker instead of reaching the dead one.
+        await client.update_weights(tiny_llama_model(seed=1).named_parameters(), version=2)
+        stats = await client.stats()
+        (worker,) = stats["workers"]
+        assert worker["state"] == "ready" and worker["restarts"] == 1 and worker["weight_version"] == 2
+        assert "engine died loading weights" in worker["last_error"] or "engine is dead" in worker["last_error"]
+        result = await client.generate("after", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+        assert len(result.token_ids) == 8 and result.weight_versions == [2]
         pids |= worker_pids(sup)
     assert_clean(sup.private_dir, pids)
