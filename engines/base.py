@@ -17,12 +17,18 @@ from typing import Any
 from ..errors import InvalidRequest, Unsupported
 from ..transport.messages import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "EngineDead", "CAPABILITIES", "check_prompt"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "WeightsRefused", "CAPABILITIES", "check_prompt"]
 
 
 class EngineDead(RuntimeError):
     """The engine can no longer serve (e.g. a failed weight reload left it half-loaded).
     Any adapter raises this; the worker then reports why and exits, and is restarted."""
+
+
+class WeightsRefused(ValueError):
+    """``load_weights`` refused its tensors (an unknown name, a wrong shape or dtype) before
+    applying any of them: the model is as it was. An engine that checks them all first raises
+    this, so that a failed update does not count its weights as a mix of two versions."""
 
 
 # Every optional operation an engine may have. "generate" and "abort" are mandatory.

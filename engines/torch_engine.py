@@ -211,10 +211,10 @@ class TorchEngine(Engine):
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy named tensors (state-dict names) into the model between two decode steps.
 
-        ``weights`` is consumed on the engine thread. Raises ValueError for unknown names
-        and shape or dtype mismatches, all listed at once after the good tensors have been
-        applied: after a ValueError the model may mix old and new weights, so load a full
-        set again. The KV cache of running requests is kept, as vLLM keeps it.
+        ``weights`` is consumed on the engine thread. Raises WeightsRefused (a ValueError) for
+        unknown names and shape or dtype mismatches, all listed at once, before anything is
+        copied: the model is then as it was. Names that all start with ``module.`` (a DDP
+        wrapper's) are pointed out. The KV cache of running requests is kept, as vLLM keeps it.
         """
         runner = self._live()
         await runner.call(runner.load_weights, weights)

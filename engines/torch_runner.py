@@ -31,7 +31,7 @@ import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
-from .base import EngineDead, EngineOutput
+from .base import EngineDead, EngineOutput, WeightsRefused
 from .torch_batch import SAMPLING_EPS, Batch, sample
 
 __all__ = ["Runner", "Seq"]
@@ -315,12 +315,14 @@ class Runner:
         self.sleeping = False
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy named tensors into the model. Every name, shape and dtype is checked first:
+        one bad tensor raises WeightsRefused, which lists them all, and nothing is copied."""
         from ..weights.remote import RemoteTensor, read_into  # here: the weights package is not needed to start
 
         params = self.model.state_dict(keep_vars=True)
+        pairs = list(weights)
         unknown, bad = [], []
-        remote = []  # (RemoteTensor, parameter): read together, across the machine's cores
-        for name, tensor in weights:
+        for name, tensor in pairs:
             target = params.get(name)
             if target is None:
                 unknown.append(name)
@@ -331,7 +333,12 @@ class Runner:
                 # bf16 engine); a shape, or an int/bool where a float is wanted, is an error.
                 got, want = (tuple(tensor.shape), tensor.dtype), (tuple(target.shape), target.dtype)
                 bad.append(f"{name}: got {got[0]} {got[1]}, want {want[0]} {want[1]}")
-            elif isinstance(tensor, RemoteTensor):
+        if unknown or bad:
+            raise WeightsRefused(f"load_weights: {_refusal(unknown, bad, params)}; nothing was loaded")
+        remote = []  # (RemoteTensor, parameter): read together, across the machine's cores
+        for name, tensor in pairs:
+            target = params[name]
+            if isinstance(tensor, RemoteTensor):
                 if tensor.dtype == target.dtype and target.device.type == "cpu" and target.data.is_contiguous():
                     remote.append((tensor, target.data))
                 else:
@@ -341,9 +348,6 @@ class Runner:
         if remote:
             read_into(remote)
         self.num_weight_loads += 1
-        if unknown or bad:
-            problems = ([f"unknown names: {', '.join(unknown)}"] if unknown else []) + bad
-            raise ValueError("load_weights: " + "; ".join(problems))
 
     def profile_start(self, trace_dir: str) -> None:
         if self._profiler is not None:
@@ -366,6 +370,27 @@ class Runner:
         profiler.export_chrome_trace(path)
         self.trace_path = path
         logger.info("profile written to %s", path)
+
+
+MAX_LISTED = 10
+"""Most names, and most bad tensors, one refusal lists (a bucket may hold hundreds)."""
+
+
+def _refusal(unknown: list[str], bad: list[str], params: dict[str, Any]) -> str:
+    """What is wrong with the tensors of a refused ``load_weights``, in words."""
+    problems = []
+    if unknown:
+        problems.append(f"unknown names: {_listed(unknown)}")
+        if all(name.startswith("module.") and name[len("module."):] in params for name in unknown):
+            problems.append("the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()")
+    if bad:
+        problems.append(f"wrong shape or dtype: {_listed(bad)}")
+    return "; ".join(problems)
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - MAX_LISTED
+    return ", ".join(items[:MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
 def settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

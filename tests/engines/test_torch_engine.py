@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from rollfleet.engines.tiny import build_tiny_llama, tiny_llama_model  # noqa: E402
 from rollfleet.engines.torch_batch import sample  # noqa: E402
-from rollfleet.engines.base import EngineDead  # noqa: E402
+from rollfleet.engines.base import EngineDead, WeightsRefused  # noqa: E402
 from rollfleet.engines.torch_engine import TorchEngine  # noqa: E402
 from rollfleet.engines.torch_runner import Runner  # noqa: E402
 from rollfleet.errors import DuplicateRequest, FleetClosed, InvalidRequest, Unsupported  # noqa: E402
@@ -361,6 +361,32 @@ async def test_load_weights_rejects_bad_names_shapes_and_dtypes(fresh):
     assert torch.equal(fresh.model.lm_head.weight, head.float())
     # The engine still serves afterwards.
     assert len((await collect(fresh, "w-ok", [1, 5], GREEDY))[0]) == 32
+
+
+async def test_load_weights_copies_nothing_when_any_tensor_is_bad(fresh):
+    before = {n: t.clone() for n, t in fresh.model.state_dict().items()}
+    new = tiny_llama_model(seed=3).state_dict()
+    loads = fresh.stats()["num_weight_loads"]
+    pairs = [*new.items(), ("model.norm.weight", torch.zeros(7)), ("model.no_such.weight", torch.zeros(2))]
+    with pytest.raises(WeightsRefused, match="nothing was loaded") as info:
+        await fresh.load_weights(pairs)
+    assert "model.no_such.weight" in str(info.value) and "model.norm.weight: got (7,)" in str(info.value)
+    assert "module." not in str(info.value)
+    assert all(torch.equal(t, before[n]) for n, t in fresh.model.state_dict().items())
+    assert fresh.stats()["num_weight_loads"] == loads
+
+
+async def test_load_weights_says_when_the_names_are_a_ddp_wrappers(fresh):
+    wrapped = [(f"module.{n}", t) for n, t in tiny_llama_model(seed=3).named_parameters()]
+    with pytest.raises(WeightsRefused) as info:
+        await fresh.load_weights(wrapped)
+    text = str(info.value)
+    assert "names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()" in text
+    assert text.count("module.model.") == 10 and f"and {len(wrapped) - 10} more" in text  # not hundreds of names
+    # A name that would not match without the prefix either: no such hint.
+    with pytest.raises(WeightsRefused) as info:
+        await fresh.load_weights([wrapped[0], ("module.no_such.weight", torch.zeros(2))])
+    assert "DDP" not in str(info.value)
 
 
 async def test_load_weights_while_requests_run(fresh):
