@@ -13,7 +13,10 @@ when it returns or queued its reads on the current CUDA stream (the bucket's rep
 that stream to get past them). This is what lets the receiver keep its
 mappings of the sender's buffers (shm segments, CUDA IPC handles) and the assembly buffers
 of split tensors from one update to the next instead of paying for fresh memory each time;
-``close`` frees them.
+``close`` frees them. A bucket the engine fails to load (not staged, not a LoRA adapter
+being collected) sets ``version`` to -1, a mix of two versions, unless the engine refused it
+whole (``WeightsRefused``) before any other bucket of the update reached it; the update's
+later buckets are then refused without reaching the engine.
 
 shm in place: when the begin offers it (``options.in_place``), the engine takes
 RemoteTensors (``Engine.accepts_remote_tensors``) and the probe reads back right, the
@@ -42,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..engines.base import WeightsRefused
 from ..errors import EngineFailed, InvalidRequest, RolloutError, Unsupported
 from ..transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
 from . import remote, shm
@@ -101,6 +105,9 @@ class _Update:
     assembler: Assembler = field(default_factory=Assembler)
     nbytes: int = 0
     num_buckets: int = 0
+    applied: bool = False
+    """Tensors of it reached the engine's load_weights (not staged, not collected for a LoRA
+    adapter): they cannot be taken back."""
     lora: dict[str, Any] | None = None
     """Set when the update carries a LoRA adapter: its tensors are collected, not loaded."""
     lora_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -413,6 +420,9 @@ class WeightReceiver:
     async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
         buffers = buffers or []
         up = self._current(msg.id)
+        if up.failed:
+            # It cannot be committed: applying more of it would only mix more of it in.
+            raise InvalidRequest(f"bucket {msg.index} not applied: an earlier bucket of update {up.uid} failed")
         if not 0 <= msg.buffer < len(up.sizes):
             raise ValueError(f"buffer {msg.buffer} out of range")
         entries = msg.tensors
@@ -471,14 +481,16 @@ class WeightReceiver:
                     up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
                 elif pairs:
                     await self.engine.load_weights(pairs)
+                    up.applied = True
                 if buf.is_cuda or (views and up.transport == "cuda_ipc"):
                     # The copies out of this bucket run on: what the reply waits for.
                     pending = torch.cuda.Event()
                     pending.record(torch.cuda.current_stream(buf.device if buf.is_cuda else views[0][1].device))
                     up.on_gpu = True
         except BaseException as exc:
-            if not up.descriptor and up.lora is None:
-                # The engine may have applied part of this bucket (or earlier ones) already.
+            if not up.descriptor and up.lora is None and (up.applied or not isinstance(exc, WeightsRefused)):
+                # The engine may have applied part of this bucket (or earlier ones) already; one
+                # that refused it whole (WeightsRefused) applied none of it.
                 self.version = -1
             if isinstance(exc, (RolloutError, ValueError)) or not isinstance(exc, Exception):
                 raise
@@ -544,7 +556,7 @@ class WeightReceiver:
             if up is not None and up.uid == _update_id(msg.id):
                 # Buckets already handed to the engine (not staged, not a LoRA being collected)
                 # cannot be taken back: the weights are now a mix, and the version says so.
-                if up.num_buckets and not up.descriptor and up.lora is None:
+                if up.applied:
                     self.version = -1
                 self._drop(sender_gone=False)
             return {"version": self.version, "aborted": True}

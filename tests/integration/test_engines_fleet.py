@@ -483,6 +483,32 @@ async def test_torch_failed_first_update_leaves_no_mix_the_worker_reloads_its_we
         assert (worker["weight_version"], worker["restarts"], worker["state"]) == (0, 1, "ready")
 
 
+async def test_torch_first_update_with_ddp_names_is_refused_whole_and_restarts_no_worker(no_leaks_module):
+    # A fleet of its own, at its first update. DDP's wrapper names every parameter "module.<name>":
+    # the workers refuse each bucket before copying anything, so none holds a mix, none is
+    # restarted, and the error says what to pass instead.
+    new = tiny_llama_model(seed=1)
+    cfg = FleetConfig(engine="torch", num_workers=2, engine_options={"seed": 0}, frontend_addr=None)
+    async with Supervisor(cfg) as sup:
+        client = sup.client()
+        before = await client.generate("before", PROMPTS[3], greedy())
+        wrapped = [(f"module.{n}", p) for n, p in new.named_parameters()]
+        with pytest.raises(WeightUpdateError, match=r"names start with 'module.' \(a DDP wrapper\?\): "
+                                                    r"pass model.module.named_parameters\(\)"):
+            await client.update_weights(wrapped, version=1, bucket_bytes=256 << 10)
+        stats = await client.stats()
+        assert [(w["weight_version"], w["restarts"], w["state"]) for w in stats["workers"]] == [(0, 0, "ready")] * 2
+        assert stats["weight_version"] == 0
+        r = await client.generate("after-refusal", PROMPTS[3], greedy())
+        assert r.token_ids == before.token_ids and r.weight_versions == [0]
+        await client.update_weights(new.named_parameters(), version=1)
+        results = await all_greedy(sup, "after-update", PROMPTS[3:5])
+        for prompt, r in zip(PROMPTS[3:5], results):
+            assert r.token_ids == hf_greedy(new, prompt) and r.weight_versions == [1]
+        stats = await client.stats()
+        assert [(w["weight_version"], w["restarts"]) for w in stats["workers"]] == [(1, 0)] * 2
+
+
 async def test_torch_worker_sigkill_resumes_its_requests_and_restart_catches_up(torch_fleet, hf_new, long_ref):
     sup = torch_fleet
     client = sup.client()

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 
+from rollfleet.engines.base import WeightsRefused
 from rollfleet.errors import EngineFailed, InvalidRequest, WeightUpdateError
 from rollfleet.transport.messages import WeightsBucket, WeightsEnd
 from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, choose_transport
@@ -113,6 +114,35 @@ async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_
     assert [m.commit for m in bad.sent if isinstance(m, WeightsEnd)][-1] is False
     assert bad.receiver._update is None
     assert mine() == []
+
+
+async def test_a_bucket_refused_whole_keeps_the_version_unless_an_earlier_bucket_was_applied():
+    class Refusing(StoreEngine):
+        refuse_at = -1
+        calls = 0
+
+        async def load_weights(self, weights):
+            self.calls += 1
+            if self.num_loads == self.refuse_at:
+                raise WeightsRefused("load_weights: unknown names: x; nothing was loaded")
+            await super().load_weights(weights)
+
+    engine = Refusing()
+    link, _ = local("a", engine)
+    sender = WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm"))
+    await sender.update(make_weights(), 3, [link])
+    assert link.receiver.version == 3
+    # The first bucket is refused: nothing of the update reached the model, which still holds 3,
+    # and the buckets after it are refused without reaching the engine.
+    engine.refuse_at, calls = engine.num_loads, engine.calls
+    with pytest.raises(WeightUpdateError, match="nothing was loaded"):
+        await sender.update(make_weights(seed=1), 4, [link])
+    assert link.receiver.version == 3 and engine.calls == calls + 1
+    # The second bucket is refused, after the first was applied: a mix.
+    engine.refuse_at = engine.num_loads + 1
+    with pytest.raises(WeightUpdateError, match="nothing was loaded"):
+        await sender.update(make_weights(seed=2), 5, [link])
+    assert link.receiver.version == -1
 
 
 async def test_bad_input_mid_stream_aborts_everywhere():
