@@ -299,6 +299,9 @@ class Supervisor:
                 "report_interval_s": cfg.report_interval_s,
                 "max_message_bytes": cfg.max_message_bytes,
                 "private_dir": self.private_dir,
+                # the frontend's ipc:// socket file, [path, inode]: removed by the workers if this
+                # process dies without shutting down (it lies outside the private directory)
+                "frontend_file": list(self._frontend_file) if self._frontend_file else None,
                 "weight_version": 0,
                 "curve_client_keys": (
                     [k.decode() for k in (*self._worker_keys, self._server_keys[0])]

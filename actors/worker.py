@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import contextvars
 import json
 import logging
@@ -634,6 +635,11 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
         except Exception:
             pass
     _unlink_segments_of(int(config.get("parent_pid", 0)))
+    frontend = config.get("frontend_file")
+    if frontend:
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            if os.stat(frontend[0]).st_ino == int(frontend[1]):  # still that supervisor's socket file
+                os.unlink(frontend[0])
     private_dir = config.get("private_dir")
     if private_dir:
         # What the engines' own processes shared (vLLM's message queues), as their lists in the
@@ -658,17 +664,18 @@ def _unlink_segments_of(pid: int) -> None:
             pass
 
 
-def _on_sigterm(config: dict[str, Any]) -> None:
+def _on_sigterm(config: dict[str, Any], name: str = "SIGTERM") -> None:
     """From the supervisor (it says so on the death pipe first): exit at once, the finally
-    blocks releasing what the worker holds. From anyone else: if the supervisor is going too
-    (the whole process group was signalled), clean up after it as when it dies."""
+    blocks releasing what the worker holds. From anyone else (also SIGHUP, the terminal
+    closed, and SIGQUIT): if the supervisor is going too (the whole process group was
+    signalled), clean up after it as when it dies."""
     parent = int(config.get("parent_pid", os.getppid()))
     deadline = time.monotonic() + SIGTERM_GRACE_S
     while not _EXIT_ASKED.is_set() and time.monotonic() < deadline:
         if _PARENT_GONE.is_set() or os.getppid() != parent:
-            _on_parent_death(config, "SIGTERM, and the supervisor is gone")
+            _on_parent_death(config, f"{name}, and the supervisor is gone")
         time.sleep(0.01)
-    _going("stopped by SIGTERM")
+    _going(f"stopped by {name}")
     sys.exit(0)
 
 
@@ -679,7 +686,9 @@ def main() -> None:
         format=f"%(asctime)s %(levelname)s worker {config['worker_id']} %(name)s: %(message)s",
     )
     _watch_parent(config)
-    signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(config))
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        # the default action of the last two would end the worker with no cleanup at all
+        signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
     worker = EngineWorker(config)
     try:
         import uvloop

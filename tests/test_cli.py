@@ -102,6 +102,52 @@ def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_
             first.wait()
 
 
+def serve_and_its_workers(tmp_path, **popen):
+    """A ``serve`` of 2 echo workers on an ipc:// address, once ready: (process, workers, socket file)."""
+    import psutil
+
+    sock, ready = tmp_path / "front.sock", tmp_path / "ready"
+    proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--workers", "2", "--bind", f"ipc://{sock}",
+                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, **popen)
+    assert wait_file(ready) == f"ipc://{sock}"
+    workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    return proc, workers, sock
+
+
+def test_sighup_to_the_process_group_of_serve_shuts_down_cleanly_and_the_workers_follow(tmp_path):
+    # A terminal that closes sends SIGHUP to its whole process group: serve and its workers.
+    # The workers' default action (exit at once) would leave the fleet's files behind.
+    import psutil
+
+    proc, workers, sock = serve_and_its_workers(tmp_path, start_new_session=True)
+    try:
+        os.killpg(proc.pid, signal.SIGHUP)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive and not sock.exists() and not (tmp_path / "ready").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_killed_outright_leaves_no_frontend_socket_file(tmp_path):
+    # SIGKILL: serve removes nothing; its workers see it die and remove its socket file too.
+    import psutil
+
+    proc, workers, sock = serve_and_its_workers(tmp_path)
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+    deadline = time.monotonic() + 5
+    while sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sock.exists()
+
+
 def test_python_dash_m_rollfleet_is_the_command():
     out = run("--help")
     assert out.returncode == 0 and "serve" in out.stdout

@@ -631,3 +631,34 @@ def test_a_started_fleet_collected_without_shutdown_kills_its_workers_and_does_n
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
     assert "collected without shutdown()" in out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_of_the_whole_process_group_leaves_nothing_behind(tmp_path, sig):
+    # A training script with no handler for SIGHUP (its terminal closed) or SIGQUIT dies at
+    # once, and so, by default, would its workers, without cleaning up after it.
+    front = tmp_path / "front.sock"
+    script = textwrap.dedent(f"""
+        import asyncio
+        from rollfleet.actors import FleetConfig, Supervisor
+
+        async def main():
+            async with Supervisor(FleetConfig(engine="echo", num_workers=2, frontend_addr="ipc://{front}")) as sup:
+                print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+                await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        private, *pids = proc.stdout.readline().split()
+        workers = [psutil.Process(int(p)) for p in pids]
+        os.killpg(proc.pid, sig)
+        assert proc.wait(10) == -sig
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+        assert not os.path.exists(private) and not front.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
