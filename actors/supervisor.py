@@ -755,6 +755,11 @@ class Supervisor:
             self.router.set_available(handle.worker_id, False)
             if isinstance(handle.proc, RemoteProcess):
                 handle.proc.lost()  # no pidfd to fire: the monitor loop takes the death path
+            elif not self.closed and handle.state is WorkerState.READY:
+                # It answers nothing more (its engine died, say): its requests resume and its
+                # restart begins now, not once its process is done exiting.
+                self._on_worker_dead(handle, msg.reason)
+                return
             if not handle.registered.done():
                 handle.registered.set_exception(
                     WorkerStartError(f"worker {handle.worker_id} failed to start: {msg.reason}\n{handle.proc.stderr_tail()}")

@@ -508,3 +508,28 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
         proc.kill()
         proc.wait()
         shutil.rmtree(short, ignore_errors=True)
+
+
+async def test_a_worker_that_says_it_exits_is_replaced_at_once_not_when_its_process_is_done(tmp_path):
+    # Its engine died (worker_exit, fatal): it answers nothing more. Its process may take long
+    # to end (a real engine's shutdown; here an exit hook that sleeps): its restart begins at
+    # once, the slow exit cut short, and the next request does not wait for that exit.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import atexit, time
+        def slow_exit():
+            time.sleep(30)
+            open({str(tmp_path / "exited")!r}, "w").close()
+        atexit.register(slow_exit)
+    """))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    sup = fleet(1, engine_options={"tokens_per_s": 200, "fail_generate_after": 5, "fail_fatal": True}, worker_env=env)
+    async with sup:
+        first = sup.slots[0]
+        client = sup.client()
+        with pytest.raises(EngineFailed, match="EngineDead"):  # the request that set it off is not resumed
+            await client.generate("r", [1], SamplingParams(max_tokens=20))
+        prompt = [1, 2, 3, 4, 5, 6]  # past the failing length: served
+        r = await asyncio.wait_for(client.generate("s", prompt, SamplingParams(max_tokens=3)), 60)
+        assert r.token_ids == expected_tokens(prompt, 3) and r.worker != first.worker_id
+        assert sup.slots[0] is not first and "EngineDead" in first.last_error
+        assert not alive([first.pid]) and not (tmp_path / "exited").exists()
