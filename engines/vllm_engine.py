@@ -153,7 +153,7 @@ class VllmEngine(Engine):
         super().__init__(options)
         if not self.options.get("model"):
             raise ValueError("the vllm engine needs option 'model' (a model directory)")
-        self.dead = False
+        self._dead = False
         self.llm: Any = None
         self.active_lora: str | None = None
         self._loras: dict[str, Any] = {}
@@ -299,9 +299,20 @@ class VllmEngine(Engine):
             caps.add("lora")
         return caps
 
+    @property
+    def dead(self) -> bool:
+        """A weight reload failed half-way (nothing more can run), or vLLM's own engine process
+        died (``AsyncLLM.errored``): the worker then exits and is restarted."""
+        return self._dead or bool(self.llm is not None and getattr(self.llm, "errored", False))
+
+    @dead.setter
+    def dead(self, value: bool) -> None:
+        self._dead = value
+
     def _check(self) -> Any:
         if self.dead:
-            raise EngineDead("the vllm engine is dead after a failed weight reload")
+            why = "after a failed weight reload" if self._dead else "(its engine process died)"
+            raise EngineDead(f"the vllm engine is dead {why}")
         if self.llm is None:
             raise EngineFailed("the vllm engine is not running")
         return self.llm

@@ -336,3 +336,17 @@ async def test_a_weight_update_while_asleep_maps_the_weights_back_first_and_leav
     assert llm.calls[-1] == ("wake_up", None) and llm.mapped == {"weights", "kv_cache"}
     await engine.load_weights_from_descriptor(descriptor)  # awake: nothing to map
     assert llm.calls[-2:] == [("wake_up", None), ("rollfleet_load_shm",)]
+
+
+async def test_an_engine_whose_vllm_engine_process_died_is_dead(tmp_path):
+    # vLLM's AsyncLLM says so through its ``errored`` property once its engine core is gone;
+    # a stand-in with that property (the real one needs the engine process to crash).
+    class ErroredStandIn:
+        errored = True
+
+    engine = VllmEngine({"model": str(tmp_path)})
+    assert not engine.dead
+    engine.llm = ErroredStandIn()
+    assert engine.dead and engine.stats()["dead"]
+    with pytest.raises(EngineDead, match="engine process died"):
+        await engine.clear_kv_cache()
