@@ -145,7 +145,9 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # SIGHUP (its terminal closed) stops it too, unless it was started ignoring it (nohup).
+    signals = (signal.SIGINT, signal.SIGTERM) + (
+        (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ())
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     fleet = Supervisor(config)

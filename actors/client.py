@@ -586,10 +586,13 @@ class RemoteClient(_Base):
         except (TypeError, ValueError, OverflowError) as exc:  # e.g. a str in the list: nothing is registered
             # numpy's ints (a list of an array's elements) go as the plain ints they stand for
             plain = plain_ints(prompt_ids) if type(prompt_ids) is list else None
-            if plain is None or list(map(type, prompt_ids)).count(int) == len(prompt_ids):
-                raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({exc})",
+            try:
+                if plain is None or list(map(type, prompt_ids)).count(int) == len(prompt_ids):
+                    raise exc
+                header = codec.encode_values(Generate, request_id, plain, params, stream, session_id, resume)
+            except (TypeError, ValueError, OverflowError) as again:
+                raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints ({again})",
                                      code="bad_field", request_id=request_id) from None
-            header = codec.encode_values(Generate, request_id, plain, params, stream, session_id, resume)
         self._check_size(f"generate {request_id!r}", header, request_id)
         self._sinks[request_id] = sink
         try:

@@ -193,10 +193,7 @@ class Supervisor:
         self._no_workers: str | None = None  # why no worker is left and none will come back
         self._metrics: MetricsExporter | None = None
         self._leftovers = _Leftovers()
-        # Not at exit: a fleet still running then is another thread's, and its workers go
-        # with this process anyway.
-        self._collected = weakref.finalize(self, self._leftovers)
-        self._collected.atexit = False
+        self._collected: weakref.finalize | None = None  # set by start()
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "Supervisor":
@@ -216,6 +213,10 @@ class Supervisor:
             raise RuntimeError("supervisor already started")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        # Not at exit: a fleet still running then is another thread's, and its workers go
+        # with this process anyway.
+        self._collected = weakref.finalize(self, self._leftovers)
+        self._collected.atexit = False
         cfg = self.config
         try:
             self.private_dir = tempfile.mkdtemp(prefix="rollfleet-", dir=cfg.private_dir_root)
@@ -401,7 +402,8 @@ class Supervisor:
         """Close the sockets, the authenticator, the metrics endpoint and the ZeroMQ context,
         and remove the frontend's socket file and the private directory. Idempotent; on the
         fleet's loop (the end of ``shutdown``, or queued there by a SyncClient that abandoned it)."""
-        self._collected.detach()
+        if self._collected is not None:
+            self._collected.detach()
         for lsock in (self._wsock, self._fsock):
             if lsock is not None:
                 lsock.close(linger=0)
@@ -756,9 +758,10 @@ class Supervisor:
             if isinstance(handle.proc, RemoteProcess):
                 handle.proc.lost()  # no pidfd to fire: the monitor loop takes the death path
             elif not self.closed and handle.state is WorkerState.READY:
-                # It answers nothing more (its engine died, say): its requests resume and its
-                # restart begins now, not once its process is done exiting.
-                self._on_worker_dead(handle, msg.reason)
+                # It answers nothing more (its engine died, say): killed now, so that its requests
+                # resume and its restart begins once it is gone (the pidfd tells, in a moment),
+                # not after an engine's slow shutdown. Not waited for here, on the loop.
+                handle.proc.kill()
                 return
             if not handle.registered.done():
                 handle.registered.set_exception(
@@ -869,11 +872,10 @@ class Supervisor:
             prompt_ids = list(prompt_ids)
             if list(map(type, prompt_ids)).count(int) != len(prompt_ids):  # msgpack takes Python ints, not numpy's
                 plain = plain_ints(prompt_ids)  # numpy's ints, say: taken as the ints they stand for
-                if plain is not None:
-                    prompt_ids = plain
-            if list(map(type, prompt_ids)).count(int) != len(prompt_ids):
-                raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints (a tensor's or "
-                                     f"array's tolist() gives them)", code="bad_field", request_id=request_id)
+                if plain is None:
+                    raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints (a tensor's or "
+                                         f"array's tolist() gives them)", code="bad_field", request_id=request_id)
+                prompt_ids = plain
         entry = Entry(
             origin=origin,
             request_id=request_id,
@@ -922,8 +924,15 @@ class Supervisor:
             params = params.replace(max_tokens=entry.remaining_tokens)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
-        # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
-        header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
+        try:
+            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
+            header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
+        except (OverflowError, ValueError, TypeError) as exc:  # an id msgpack cannot carry (2**64, say)
+            self.router.on_finish(handle.worker_id)
+            self.table.unbind(entry)
+            self._fail(entry, InvalidRequest(f"generate {entry.request_id!r}: prompt_ids must be ints in the signed "
+                                             f"64-bit range ({exc})", code="bad_field", request_id=entry.request_id))
+            return
         try:
             self._send_encoded(handle, header)
         except zmq.ZMQError:  # (unbatched workers only) it vanished between choose() and send

@@ -109,9 +109,9 @@ class WeightSync:
 
     async def _repair(self, links: list[WorkerHandle], sent: set[str]) -> None:
         """After a failed update that had sent the tensors ``sent``: a worker that applied part
-        of it before the failure reports version -1 (its weights are a mix); bring it back to
-        the last good version, or restart it when that cannot be rebuilt (a restart loads the
-        initial weights)."""
+        of it before the failure reports version -1 (its weights are a mix), one that committed
+        it the update's version; bring it back to the last good version, or restart it when that
+        cannot be rebuilt (a restart loads the initial weights)."""
         from ..transport.messages import Stats
 
         for handle in links:
@@ -125,9 +125,11 @@ class WeightSync:
             handle.weight_version = int(data.get("weight_version", handle.weight_version))
             if handle.weight_version == self.sup.weight_version:
                 continue
-            if handle.weight_version == -1 and not self._can_restore(sent):
-                self._restart(handle, "left with partly applied weights, and no copy of the last good ones is kept "
-                                      "for all of them")
+            # At -1 it holds part of the update; at another version, all of it (it committed while
+            # another worker's part failed): either way, what the update sent must be put back.
+            if (handle.weight_version == -1 or sent) and not self._can_restore(sent):
+                held = "partly applied weights" if handle.weight_version == -1 else "the weights of a failed update"
+                self._restart(handle, f"left with {held}, and no copy of the last good ones is kept for all of them")
                 continue
             try:
                 await self._catch_up_locked(handle)

@@ -687,8 +687,10 @@ def main() -> None:
     )
     _watch_parent(config)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        # the default action of the last two would end the worker with no cleanup at all
-        signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
+        # The default action of the last two would end the worker with no cleanup at all. One
+        # the job ignores (nohup: SIGHUP), inherited, stays ignored.
+        if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
     worker = EngineWorker(config)
     try:
         import uvloop

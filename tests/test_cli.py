@@ -121,12 +121,29 @@ def test_sighup_to_the_process_group_of_serve_shuts_down_cleanly_and_the_workers
     # The workers' default action (exit at once) would leave the fleet's files behind.
     import psutil
 
-    proc, workers, sock = serve_and_its_workers(tmp_path, start_new_session=True)
+    proc, workers, sock = serve_and_its_workers(  # SIGHUP as a terminal's job has it (this run may be nohup's)
+        tmp_path, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         os.killpg(proc.pid, signal.SIGHUP)
         assert proc.wait(30) == 0, proc.stderr.read()
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive and not sock.exists() and not (tmp_path / "ready").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_started_ignoring_sighup_keeps_serving_after_one(tmp_path):
+    proc, workers, sock = serve_and_its_workers(
+        tmp_path, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        os.killpg(proc.pid, signal.SIGHUP)  # nohup's job: its terminal closed
+        time.sleep(1.5)
+        assert proc.poll() is None and all(w.is_running() for w in workers)
+        assert run("stats", f"ipc://{sock}", "--json").returncode == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -90,8 +90,9 @@ async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_r
         for r in results:
             assert r.finish_reason == "length" and len(r.token_ids) == (40 if r.request_id == "killer" else 300)
         killer = results[-1]
-        # It resumed on the other worker; so did the requests running beside it.
-        assert killer.num_preemptions == 1 and len(killer.weight_versions) == 2
+        # It resumed on the other worker; so did the requests running beside it. (Its first
+        # segment may hold no token: one made just before the death may not have been reported.)
+        assert killer.num_preemptions == 1 and killer.weight_versions in ([0], [0, 0])
         assert sum(r.num_preemptions for r in results) >= 2
         assert sup.counters["failed"] == 0 and len(sup.table) == 0
         assert await wait_for(lambda: len(sup.ready_workers()) == 2 and worker_pids(sup) != pids, 60)
