@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
-           "claim_private_dir", "sweep_private_dirs", "sampling_seed"]
+           "claim_private_dir", "sweep_private_dirs", "remove_private_dir", "unlink_if_same", "sampling_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,19 @@ def claim_private_dir(private_dir: str) -> None:
 UNCLAIMED_AGE_S = 60.0
 
 
+def remove_private_dir(path: str) -> None:
+    """Remove a fleet's private directory, unlinking first the shm names its engines listed."""
+    sweep_shm_lists(path, everything=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def unlink_if_same(path: str, inode: int) -> None:
+    """Unlink ``path`` if it is still the file of that inode (not one bound there since)."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+
+
 def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
     """Remove the private directories under ``root`` whose owner process is gone (their
     socket files and logs), unlinking first the shm names their engines listed, and those
@@ -210,8 +224,7 @@ def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
             continue
         if _alive(pid, start):
             continue
-        sweep_shm_lists(path, everything=True)
-        shutil.rmtree(path, ignore_errors=True)
+        remove_private_dir(path)
         removed.append(path)
     if removed:
         logger.warning("removed %d private directories left by dead supervisors: %s", len(removed), ", ".join(removed))

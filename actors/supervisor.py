@@ -20,7 +20,6 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -78,9 +77,11 @@ from .process import (
     claim_private_dir,
     device_env,
     kmp_names,
+    remove_private_dir,
     sampling_seed,
     sweep_private_dirs,
     sweep_shm_lists,
+    unlink_if_same,
     unlink_shm,
 )
 from .router import Router
@@ -131,12 +132,9 @@ class _Leftovers:
         if self.ctx is not None:
             self.ctx.term()
         if self.frontend_file is not None:
-            with contextlib.suppress(OSError):
-                if os.stat(self.frontend_file[0]).st_ino == self.frontend_file[1]:
-                    os.unlink(self.frontend_file[0])
+            unlink_if_same(*self.frontend_file)
         if self.private_dir:
-            sweep_shm_lists(self.private_dir, everything=True)
-            shutil.rmtree(self.private_dir, ignore_errors=True)
+            remove_private_dir(self.private_dir)
 
 
 class Supervisor:
@@ -418,8 +416,7 @@ class Supervisor:
             self._ctx = None
         self._unlink_socket_files()
         if self.private_dir:
-            sweep_shm_lists(self.private_dir, everything=True)
-            shutil.rmtree(self.private_dir, ignore_errors=True)
+            remove_private_dir(self.private_dir)
         # workers killed at the end of the grace period leave their OpenMP registration
         unlink_shm(kmp_names([h.pid for h in self.slots.values() if isinstance(h.proc, WorkerProcess)]))
         self._closed = True
@@ -428,11 +425,8 @@ class Supervisor:
         """Remove the frontend's ipc:// socket file (if it is still the one bound here) and the
         workers' socket file in the private directory."""
         if self._frontend_file is not None:
-            path, inode = self._frontend_file
+            unlink_if_same(*self._frontend_file)
             self._frontend_file = None
-            with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == inode:
-                    os.unlink(path)
         path = ipc_path(self.worker_address) if self.private_dir else None
         if path and os.path.dirname(path) == self.private_dir:
             with contextlib.suppress(OSError):
@@ -450,8 +444,7 @@ class Supervisor:
                     handle.proc.kill()
                     handle.proc.close()
         if self.private_dir:
-            sweep_shm_lists(self.private_dir, everything=True)
-            shutil.rmtree(self.private_dir, ignore_errors=True)
+            remove_private_dir(self.private_dir)
 
     @property
     def metrics_address(self) -> str | None:

@@ -275,11 +275,7 @@ def _tee(tensors: NamedTensors, keep: list[tuple[str, Any]], scratch: dict[str, 
     and dtype match, so steady-state updates copy into memory that is already there instead of
     allocating the model anew.
     """
-    from ..weights.bucket import check_pair
-
-    for item in tensors:
-        name, tensor = check_pair(item)
-        sent.add(name)
+    for name, tensor in _names_into(tensors, sent):
         old = scratch.get(name)
         src = tensor.detach()
         if old is not None and old.shape == src.shape and old.dtype == src.dtype:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
-import contextlib
 import contextvars
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -52,7 +50,15 @@ from ..transport.messages import (
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
-from .process import CONFIG_ENV, is_resource_tracker, kill_tree, kmp_names, sweep_shm_lists, unlink_shm
+from .process import (
+    CONFIG_ENV,
+    is_resource_tracker,
+    kill_tree,
+    kmp_names,
+    remove_private_dir,
+    unlink_if_same,
+    unlink_shm,
+)
 
 __all__ = ["EngineWorker", "main"]
 
@@ -637,15 +643,12 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     _unlink_segments_of(int(config.get("parent_pid", 0)))
     frontend = config.get("frontend_file")
     if frontend:
-        with contextlib.suppress(OSError, TypeError, ValueError):
-            if os.stat(frontend[0]).st_ino == int(frontend[1]):  # still that supervisor's socket file
-                os.unlink(frontend[0])
+        unlink_if_same(*frontend)  # still that supervisor's socket file
     private_dir = config.get("private_dir")
     if private_dir:
-        # What the engines' own processes shared (vLLM's message queues), as their lists in the
-        # private directory name it: the supervisor that would sweep them is gone.
-        sweep_shm_lists(private_dir, everything=True)
-        shutil.rmtree(private_dir, ignore_errors=True)
+        # With what the engines' own processes shared (vLLM's message queues), as their lists in
+        # the private directory name it: the supervisor that would sweep them is gone.
+        remove_private_dir(private_dir)
     os._exit(1)
 
 

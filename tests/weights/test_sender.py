@@ -13,6 +13,24 @@ from rollfleet.weights import shm
 from weights_harness import DescriptorEngine, LocalLink, StoreEngine, digest, make_weights
 
 
+class FailingStore(StoreEngine):
+    """StoreEngine whose load number ``fail_at`` raises what ``error()`` makes; ``calls`` counts
+    every load asked of it, failed ones included."""
+
+    fail_at = -1
+    calls = 0
+
+    def __init__(self, error) -> None:
+        super().__init__()
+        self.error = error
+
+    async def load_weights(self, weights):
+        self.calls += 1
+        if self.num_loads == self.fail_at:
+            raise self.error()
+        await super().load_weights(weights)
+
+
 def local(worker_id, engine=None):
     engine = engine or StoreEngine()
     return LocalLink(worker_id, WeightReceiver(engine)), engine
@@ -84,15 +102,7 @@ async def test_generator_is_consumed_at_most_num_buffers_buckets_ahead(num_buffe
 async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_names_the_worker():
     good, good_engine = local("good")
 
-    class Broken(StoreEngine):
-        fail_at = -1
-
-        async def load_weights(self, weights):
-            if self.num_loads == self.fail_at:
-                raise RuntimeError("disk on fire")
-            await super().load_weights(weights)
-
-    broken = Broken()
+    broken = FailingStore(lambda: RuntimeError("disk on fire"))
     bad, _ = local("bad", broken)
     sender = WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm"))
     await sender.update(make_weights(), 3, [good, bad])
@@ -117,29 +127,19 @@ async def test_failed_update_aborts_everywhere_marks_partly_updated_engines_and_
 
 
 async def test_a_bucket_refused_whole_keeps_the_version_unless_an_earlier_bucket_was_applied():
-    class Refusing(StoreEngine):
-        refuse_at = -1
-        calls = 0
-
-        async def load_weights(self, weights):
-            self.calls += 1
-            if self.num_loads == self.refuse_at:
-                raise WeightsRefused("load_weights: unknown names: x; nothing was loaded")
-            await super().load_weights(weights)
-
-    engine = Refusing()
+    engine = FailingStore(lambda: WeightsRefused("load_weights: unknown names: x; nothing was loaded"))
     link, _ = local("a", engine)
     sender = WeightSender(WeightSyncConfig(bucket_bytes=256, transport="shm"))
     await sender.update(make_weights(), 3, [link])
     assert link.receiver.version == 3
     # The first bucket is refused: nothing of the update reached the model, which still holds 3,
     # and the buckets after it are refused without reaching the engine.
-    engine.refuse_at, calls = engine.num_loads, engine.calls
+    engine.fail_at, calls = engine.num_loads, engine.calls
     with pytest.raises(WeightUpdateError, match="nothing was loaded"):
         await sender.update(make_weights(seed=1), 4, [link])
     assert link.receiver.version == 3 and engine.calls == calls + 1
     # The second bucket is refused, after the first was applied: a mix.
-    engine.refuse_at = engine.num_loads + 1
+    engine.fail_at = engine.num_loads + 1
     with pytest.raises(WeightUpdateError, match="nothing was loaded"):
         await sender.update(make_weights(seed=2), 5, [link])
     assert link.receiver.version == -1
