@@ -267,6 +267,8 @@ class Supervisor:
             await self.shutdown()
             raise
         self._ready = True
+        if self._metrics is not None:  # a scrape right after start sees the workers, not a blank page
+            self._metrics.update(await self.stats(engines=False))
         logger.info("fleet of %d %s workers ready in %s", cfg.num_workers, cfg.engine, self.private_dir)
 
     def _spawn(self, index: int) -> WorkerHandle:

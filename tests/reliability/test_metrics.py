@@ -140,6 +140,15 @@ async def test_prometheus_endpoint_exports_per_worker_and_fleet_metrics():
         urllib.request.urlopen(url, timeout=2)
 
 
+async def test_a_scrape_right_after_start_already_shows_the_workers():
+    pytest.importorskip("prometheus_client")
+    async with fleet(2, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, metrics_port=0) as sup:
+        samples = await asyncio.to_thread(scrape, sup.metrics_address)  # long before the first heartbeat tick
+        assert value(samples, "rollfleet_workers_ready") == 2.0
+        for w in ("0", "1"):
+            assert value(samples, "rollfleet_worker_up", worker=w, device="cpu") == 1.0
+
+
 def test_log_limiter_logs_a_burst_then_one_count_per_interval(caplog):
     log = logging.getLogger("rollfleet.test.limiter")
     caplog.set_level(logging.INFO, logger=log.name)
