@@ -323,6 +323,21 @@ def _sizes(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected comma-separated sizes in MiB (e.g. 64,256), got {text!r}")
 
 
+def _positive(kind):  # type: ignore[no-untyped-def]
+    """An argparse type: a number of ``kind`` (int or float) greater than 0."""
+
+    def parse(text: str):  # type: ignore[no-untyped-def]
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
 def _transports(text: str) -> str:
     """An argparse type: comma-separated names out of TRANSPORTS."""
     unknown = sorted(set(text.split(",")) - set(TRANSPORTS))
@@ -334,15 +349,15 @@ def _transports(text: str) -> str:
 
 def main() -> None:
     p = bench_parser(__doc__)
-    p.add_argument("--total-gb", type=float, default=None,
-                   help="GiB of weights per CPU update, 1 to 4 suggested (not checked); the checkpoint holds "
-                        "whole layers, so the bytes moved differ a little (default 1: about 1.01 GiB; with "
-                        "--quick 400 MiB asked for, about 450 MiB moved)")
+    p.add_argument("--total-gb", type=_positive(float), default=None,
+                   help="GiB of weights per CPU update, > 0, 1 to 4 suggested (the upper end not checked); the "
+                        "checkpoint holds whole layers, so the bytes moved differ a little (default 1: about "
+                        "1.01 GiB; with --quick 400 MiB asked for, about 450 MiB moved)")
     p.add_argument("--buckets-mb", default=None, type=_sizes,
                    help="comma-separated bucket sizes in MiB (default 64,128,256,512,1024; with --quick 64,256)")
-    p.add_argument("--reps", type=int, default=None,
+    p.add_argument("--reps", type=_positive(int), default=None,
                    help="timed updates per row and bucket size, the best counts (default 2; cuda_ipc rows: at least 20)")
-    p.add_argument("--cuda-total-gb", type=float, default=4.0,
+    p.add_argument("--cuda-total-gb", type=_positive(float), default=4.0,
                    help="GiB of weights per cuda_ipc update (default 4, with --quick too; on the GPU, twice: "
                         "sender and engine)")
     p.add_argument("--transports", default="shm,gloo,cuda_ipc", type=_transports,

@@ -110,7 +110,8 @@ def test_print_table_aligns_columns(capsys):
 
 
 @pytest.mark.parametrize("args", [("--buckets-mb", "abc"), ("--buckets-mb", "64,0"), ("--transports", "foo"),
-                                  ("--transports", "shm,nccl")])
+                                  ("--transports", "shm,nccl"), ("--reps", "0"), ("--reps", "-1"),
+                                  ("--total-gb", "0"), ("--cuda-total-gb", "-4")])
 def test_bench_weights_refuses_bad_sizes_and_unknown_transports_before_measuring(args):
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_weights.py"), *args], capture_output=True,
                          text=True, timeout=120)
