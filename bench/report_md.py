@@ -89,6 +89,25 @@ def fmt(key: str, value: Any) -> str:
     return f"{text} {unit}".strip()
 
 
+def goal_shown(number: float, text: str, goal: tuple | None, met: bool | None) -> str:
+    """``text`` (``number`` rounded, maybe with a unit or an "x"), or ``number`` with more decimals
+    when the rounded figure would seem to meet a goal it misses, or miss one it meets (0.9454
+    next to a goal of >= 0.95 shows as 0.945x, not 0.95x)."""
+    if goal is None or met is None:
+        return text
+    head, sep, unit = text.partition(" ")
+    suffix = "x" if head.endswith("x") else ""
+    for digits in range(3, 9):
+        try:
+            shown = float(head.rstrip("x").replace(",", ""))
+        except ValueError:
+            return text
+        if OPS[goal[0]](shown, goal[1]) == met:
+            break
+        head = f"{number:.{digits}f}{suffix}"
+    return head + sep + unit
+
+
 def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
     """The row, or one per n found in the JSON for a ``{n}`` row; with each, whether it is the
     headline one."""
@@ -124,6 +143,18 @@ def evaluate(row: Row, m: dict[str, Any]) -> dict[str, Any] | None:
         on = value if len(row.goal) == 3 else ratio
         met = OPS[op](on, threshold) if on is not None else None
     return {"value": value, "base": base, "ratio": ratio, "met": met}
+
+
+def ratio_text(row: Row, ev: dict[str, Any]) -> str:
+    """A row's ratio as shown, e.g. 0.95x; exact enough to agree with its goal's verdict."""
+    goal = row.goal if row.goal is not None and len(row.goal) == 2 else None
+    return goal_shown(ev["ratio"], f"{ev['ratio']:.2f}x", goal, ev["met"])
+
+
+def value_text(row: Row, ev: dict[str, Any]) -> str:
+    """A row's value as shown, with its unit; exact enough to agree with a goal on the value."""
+    goal = row.goal if row.goal is not None and len(row.goal) == 3 else None
+    return goal_shown(ev["value"], fmt(row.key, ev["value"]), goal, ev["met"])
 
 
 def goal_text(row: Row) -> str:
@@ -288,8 +319,8 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                                  f"{goal_text(row)} | - |")
                     continue
                 met = "-" if ev["met"] is None else ("**yes**" if ev["met"] else "**no**")
-                ratio = "-" if ev["ratio"] is None else f"{ev['ratio']:.2f}x"
-                lines.append(f"| {row.label} | {fmt(row.key, ev['value'])} | {row.against or '-'} | "
+                ratio = "-" if ev["ratio"] is None else ratio_text(row, ev)
+                lines.append(f"| {row.label} | {value_text(row, ev)} | {row.against or '-'} | "
                              f"{fmt(row.baseline or '', ev['base'])} | {ratio} | {goal_text(row)} | {met} |")
                 if head:
                     heads.append((o.name, machine, row, ev))
@@ -354,7 +385,7 @@ def write_report(path: str, outcomes: list[Outcome], specs: dict[str, Spec], *, 
     out += ["", "## Headline ratios", "", "| bench | figure | against | ratio | goal | met | machine |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, machine, row, ev in heads:
-        shown = f"{ev['ratio']:.2f}x" if ev["ratio"] is not None else fmt(row.key, ev["value"])
+        shown = ratio_text(row, ev) if ev["ratio"] is not None else value_text(row, ev)
         met = "-" if ev["met"] is None else ("yes" if ev["met"] else "**no**")
         out.append(f"| {name} | {row.label} | {row.against or '-'} | {shown} | {goal_text(row)} | {met} | "
                    f"{machine.split(' ')[0]} |")

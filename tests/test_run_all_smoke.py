@@ -136,3 +136,18 @@ def test_report_units_follow_what_each_key_measures():
     assert fmt("update_s_4w", 0.5) == "0.5 s"
     assert fmt("p99_us_16w", 35865.0) == "35,865 us"
     assert fmt("fleet_vs_raw_p50", 1.2) == "1.2"
+
+
+def test_report_shows_ratios_that_agree_with_their_goal():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from report_md import Row, ratio_text, value_text
+    finally:
+        sys.path.pop(0)
+    row = Row(label="x", key="k", baseline="b", goal=(">=", 0.95))
+    # 0.9454 misses >= 0.95: it must not be shown rounded up to 0.95x next to "no".
+    assert ratio_text(row, {"ratio": 0.9454, "met": False}) == "0.945x"
+    assert ratio_text(row, {"ratio": 0.9612, "met": True}) == "0.96x"
+    loop = Row(label="x", key="supervisor_loop_cpu_max", goal=("<", 0.9, "value"))
+    assert value_text(loop, {"value": 0.8996, "met": True}) == "0.8996"
+    assert value_text(loop, {"value": 0.941, "met": False}) == "0.941"
