@@ -82,7 +82,9 @@ def fmt(key: str, value: Any) -> str:
         return str(value)
     unit = "" if "_vs_" in key else next((u for name, u in UNITS if re.search(rf"(^|_){name}{TAIL}", key)), "")
     v = float(value)
-    if v == 0 or abs(v) >= 100:
+    if isinstance(value, int):  # a count: 64 requests, not 64.0
+        text = f"{value:,}"
+    elif v == 0 or abs(v) >= 100:
         text = f"{v:,.0f}"
     else:
         text = f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"

@@ -138,12 +138,13 @@ def test_report_units_follow_what_each_key_measures():
     assert fmt("fleet_vs_raw_p50", 1.2) == "1.2"
 
 
-def test_report_shows_ratios_that_agree_with_their_goal():
+def test_report_shows_counts_as_counts_and_ratios_that_agree_with_their_goal():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
-        from report_md import Row, ratio_text, value_text
+        from report_md import Row, fmt, ratio_text, value_text
     finally:
         sys.path.pop(0)
+    assert fmt("max_tokens", 64) == "64" and fmt("completed_resume", 1234) == "1,234"
     row = Row(label="x", key="k", baseline="b", goal=(">=", 0.95))
     # 0.9454 misses >= 0.95: it must not be shown rounded up to 0.95x next to "no".
     assert ratio_text(row, {"ratio": 0.9454, "met": False}) == "0.945x"
