@@ -9,7 +9,21 @@ segment may remain.
     python bench/soak.py --quick         # 1 minute
     python bench/soak.py --duration 3600 --workers 8 --json bench/out/soak.json
 
-Exit status 1 when anything was lost, wrong or left behind.
+Exit status 1 when anything was lost, wrong or left behind. It draws no plot: ``--png`` is an
+error here.
+
+Keys: ``duration_s`` (seconds of load, measured), ``workers``, ``concurrency``, ``requests`` (every
+request that ended, however), ``completed``, ``resumed`` (completed after a resume), ``aborted``
+(finish_reason abort, its tokens checked: the soak's own aborts, and requests without resume
+that an update ended), ``failed_typed`` (a typed RolloutError),
+``lost`` (untyped error, no answer within ``--timeout``, or a load task that did not end),
+``wrong_tokens``, ``worker_kills`` (SIGKILL), ``worker_stops`` (SIGSTOP), ``restarts`` (the
+supervisor's worker restarts), ``updates_ok``, ``updates_failed``, ``requests_per_s``,
+``orphans`` (worker processes alive after shutdown), ``leaked_shm`` (rollfleet segments left in
+/dev/shm), ``private_dir_left`` (the supervisor's private directory still there),
+``supervisor_rss_growth_mb``, ``error_codes`` (a "code=count, ..." string, "-" when none),
+``quick``, ``passed`` (nothing lost, wrong or left behind); and the machine facts ``machine_*``
+of bench/common.py (``MACHINE_KEYS``), read before the load starts.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from collections import Counter
 
 import psutil
 
-from common import bench_parser, machine_info, print_table, write_json
+from common import bench_parser, machine_info, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.engines.echo import echo_tokens
@@ -196,30 +210,38 @@ def _alive(pid: int) -> bool:
 
 
 def main() -> int:
-    parser = bench_parser(__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
+    parser._option_string_actions["--png"].help = "Not supported: soak.py draws no plot."
     parser.add_argument("--duration", type=float, default=None, help="Seconds of load (default 600; --quick 60).")
-    parser.add_argument("--workers", type=int, default=4, help="Echo workers (default 4).")
+    parser.add_argument("--workers", type=int, default=4, help="Echo workers, at least 2 (default 4).")
     parser.add_argument("--concurrency", type=int, default=64, help="Requests kept in flight (default 64).")
     parser.add_argument("--kill-every", type=float, default=None, help="Mean seconds between worker kills (default 15; --quick 6).")
     parser.add_argument("--update-every", type=float, default=None, help="Seconds between weight updates (default 20; --quick 8).")
-    parser.add_argument("--tokens-per-s", type=float, default=500.0, help="Echo pacing per request (default 500).")
-    parser.add_argument("--timeout", type=float, default=120.0, help="Per-request deadline; past it a request is lost.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens-per-s", type=float, default=500.0,
+                        help="Echo pacing per request (default 500; 0: as fast as possible).")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="Per-request deadline, seconds; past it a request is lost (default 120).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the requests, kills and signals (default 0).")
     args = parser.parse_args()
-    args.duration = args.duration or (60.0 if args.quick else 600.0)
-    args.kill_every = args.kill_every or (6.0 if args.quick else 15.0)
-    args.update_every = args.update_every or (8.0 if args.quick else 20.0)
+    quick_defaults(args, duration=(60.0, 600.0), kill_every=(6.0, 15.0), update_every=(8.0, 20.0))
     if args.workers < 2:
         parser.error("--workers must be >= 2 (one always stays up while another is killed)")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    if min(args.duration, args.kill_every, args.update_every, args.timeout) <= 0 or args.tokens_per_s < 0:
+        parser.error("--duration, --kill-every, --update-every and --timeout must be > 0, --tokens-per-s >= 0")
+    if args.png:
+        parser.error("soak.py draws no plot: --png is not supported")
     print(f"soak: {args.duration:.0f}s, {args.workers} echo workers, {args.concurrency} in flight, "
           f"a kill every ~{args.kill_every:.0f}s, an update every {args.update_every:.0f}s")
+    machine = machine_info()  # before the run: the load average is other work, not ours
     metrics = asyncio.run(Soak(args).run())
     rows = [(k, v) for k, v in metrics.items()]
     print_table(["metric", "value"], rows, title="soak results")
     bad = metrics["lost"] + metrics["wrong_tokens"] + metrics["orphans"] + metrics["leaked_shm"]
     bad += int(metrics["private_dir_left"])
     if args.json:
-        write_json(args.json, {**metrics, **machine_info(), "passed": bad == 0})
+        write_json(args.json, {**metrics, **machine, "passed": bad == 0})
     print("PASSED" if bad == 0 else "FAILED: requests lost or resources left behind")
     return 0 if bad == 0 else 1
 
