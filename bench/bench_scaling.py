@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                       "tokens": args.paced_tokens, "step_tokens": max(1, min(8, args.paced_tokens)),
                       "batches": sizes.pop("batches") if args.paced_batches is None else args.paced_batches}
     try:
-        sizes["workers"] = [int(x) for x in (args.workers or sizes["workers"]).split(",")]
+        sizes["workers"] = [int(x) for x in (args.workers if args.workers is not None else sizes["workers"]).split(",")]
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
         ranks = args.ranks if args.ranks is not None else ("1,2" if args.quick else "1,2,4")
         sizes["ranks"] = sorted({int(x) for x in ranks.split(",") if x and x != "0"})
