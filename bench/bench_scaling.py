@@ -52,7 +52,9 @@ request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its 
 ``start_s_{n}w`` (fleet start-up); ``gbps_{k}w`` (model bytes per second of update),
 ``update_s_{k}w``, ``weights_supervisor_cpu_{k}w``, ``weights_workers_cpu_{k}w``,
 ``memcpy_gbps`` (one copy of the same bytes, for scale), ``rps_scaling_max`` (rps at the
-largest fleet / rps with one worker), ``p99_scaling_max``, ``gbps_scaling_max``,
+largest fleet / rps at the smallest: one worker unless ``--workers`` leaves it out),
+``p99_scaling_max`` (the same for p99 under load), ``gbps_scaling_max`` (GB/s to the most
+receivers / to the fewest),
 ``supervisor_loop_cpu_max`` (the busiest flood's loop), ``bottleneck`` (at the largest fleet),
 ``max_workers``, ``max_receivers``; the run: ``window``, ``num_tput_calls``, ``weights_mb``,
 ``bucket_mb``, ``quick``, ``elapsed_s``; engine-paced: ``paced_rps_{n}w``,
