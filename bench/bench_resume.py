@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="One fleet, strategies in turns (A B B A ...), instead of a fleet per strategy "
                              "side by side (for a machine that cannot hold two fleets, e.g. one GPU).")
     parser.add_argument("--echo-tokens-per-s", type=float, default=100.0,
-                        help="Per-request pace of the echo engine, tokens/s (default 100; torch ignores it).")
+                        help="Per-request pace of the echo engine, tokens/s (default 100; 0: as fast as possible; "
+                             "torch ignores it).")
     parser.add_argument("--seed", type=int, default=0,
                         help="Seed of the prompts and their max_tokens and, with torch, of the tiny model's "
                              "weights and the engine (default 0).")
@@ -521,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     quick_defaults(args, duration=(8.0, 30.0), every=(2.0, 3.0), rounds=(1, 3))
     if min(args.workers, args.inflight, args.max_tokens, args.prompt_len, args.rounds) < 1:
         parser.error("--workers, --inflight, --max-tokens, --prompt-len and --rounds must be >= 1")
+    if args.echo_tokens_per_s < 0:
+        parser.error("--echo-tokens-per-s must be >= 0 (0: unpaced)")
     if not 0 <= args.spread < 1:
         parser.error("--spread must be in [0, 1)")
     if args.every <= 0 or args.duration < args.every:
