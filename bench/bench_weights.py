@@ -393,6 +393,8 @@ def main() -> None:
     result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets),
                   reps=reps)
     result["memcpy_gbps"] = max(baseline)
+    if "cuda_ipc" in wanted and not torch.cuda.is_available():
+        print("cuda_ipc: no CUDA device here, not measured", flush=True)
     if "cuda_ipc" in wanted and torch.cuda.is_available():
         gpu_weights = make_weights(int(args.cuda_total_gb * (1 << 30)), "cuda")
         gpu_reps = max(reps, 20)  # an update takes milliseconds here: best of many
