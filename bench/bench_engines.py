@@ -293,6 +293,8 @@ def main() -> None:
     quick_defaults(args, requests=(16, 64), max_tokens=(64, 128), rounds=(2, 5))  # an explicit 0 meets the check
     if args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
         parser.error("--requests, --max-tokens and --rounds must be >= 1")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model {args.model!r} is not a local transformers model directory (no config.json)")
     # vLLM by default only, and once: a re-executed run (IOMP_ENV set) kept vLLM because it imported.
     if not explicit and "vllm" in args.engines and not os.environ.get(IOMP_ENV):
         why = vllm_import_error()
