@@ -117,3 +117,13 @@ def test_bench_weights_refuses_bad_sizes_and_unknown_transports_before_measuring
                          text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert f"argument {args[0]}" in out.stderr
+
+
+@pytest.mark.parametrize("args", [("--duration", "0"), ("--concurrency", "0"), ("--kill-every", "-1"),
+                                  ("--timeout", "0"), ("--workers", "1"), ("--png", "soak.png")])
+def test_soak_refuses_nonsense_options_before_starting_a_fleet(args):
+    # --duration 0 once meant the 10-minute default and --concurrency 0 a soak of no requests that passed.
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "soak.py"), *args], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "error:" in out.stderr and "soak:" not in out.stdout
