@@ -100,7 +100,21 @@ def check_pair(item: Any) -> tuple[str, torch.Tensor]:
     if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
                          f"{type(tensor).__name__})")
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and _is_dtensor(tensor):
+        # Its bytes are one rank's shard, not the tensor the engine holds: copying it fails deep
+        # in torch ("got mixed torch.Tensor and DTensor"), which does not say what to send.
+        raise ValueError(f"weights: {name!r} is a DTensor (a shard of an FSDP2 or tensor-parallel model); send "
+                         "whole tensors, e.g. (name, p.full_tensor()) for each parameter (full_tensor() is a "
+                         "collective: every rank of the mesh must call it)")
     return name, tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has none
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _align(n: int) -> int:
