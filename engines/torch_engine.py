@@ -214,7 +214,7 @@ class TorchEngine(Engine):
         ``weights`` is consumed on the engine thread. Raises WeightsRefused (a ValueError) for
         unknown names and shape or dtype mismatches, all listed at once, before anything is
         copied: the model is then as it was. Names that all start with ``module.`` (a DDP
-        wrapper's) are pointed out. The KV cache of running requests is kept, as vLLM keeps it.
+        wrapper's) or ``_orig_mod.`` (torch.compile's) are pointed out. The KV cache of running requests is kept, as vLLM keeps it.
         """
         runner = self._live()
         await runner.call(runner.load_weights, weights)

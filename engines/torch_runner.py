@@ -373,6 +373,13 @@ class Runner:
 
 
 MAX_LISTED = 10
+
+WRAPPER_PREFIXES = (
+    ("module.", "the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()"),
+    ("_orig_mod.", "the names start with '_orig_mod.' (a torch.compile wrapper): pass "
+                   "model._orig_mod.named_parameters()"),
+)
+"""Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
 """Most names, and most bad tensors, one refusal lists (a bucket may hold hundreds)."""
 
 
@@ -381,8 +388,10 @@ def _refusal(unknown: list[str], bad: list[str], params: dict[str, Any]) -> str:
     problems = []
     if unknown:
         problems.append(f"unknown names: {_listed(unknown)}")
-        if all(name.startswith("module.") and name[len("module."):] in params for name in unknown):
-            problems.append("the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()")
+        for prefix, hint in WRAPPER_PREFIXES:
+            if all(name.startswith(prefix) and name[len(prefix):] in params for name in unknown):
+                problems.append(hint)
+                break
     if bad:
         problems.append(f"wrong shape or dtype: {_listed(bad)}")
     return "; ".join(problems)

@@ -389,6 +389,16 @@ async def test_load_weights_says_when_the_names_are_a_ddp_wrappers(fresh):
     assert "DDP" not in str(info.value)
 
 
+async def test_load_weights_says_when_the_names_are_a_torch_compile_wrappers(fresh):
+    # torch.compile(model).named_parameters() names every parameter "_orig_mod.<name>".
+    wrapped = [(f"_orig_mod.{n}", t) for n, t in tiny_llama_model(seed=3).named_parameters()]
+    with pytest.raises(WeightsRefused) as info:
+        await fresh.load_weights(wrapped)
+    text = str(info.value)
+    assert "names start with '_orig_mod.' (a torch.compile wrapper): pass model._orig_mod.named_parameters()" in text
+    assert "DDP" not in text
+
+
 async def test_load_weights_while_requests_run(fresh):
     stream = fresh.generate("w-live", [1, 7, 9], GREEDY.replace(max_tokens=300))
     tokens = (await anext(stream)).token_ids
