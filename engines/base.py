@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import InvalidRequest, Unsupported
 from ..transport.messages import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "EngineDead", "WeightsRefused", "CAPABILITIES", "check_prompt"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "WeightsRefused", "WRAPPER_PREFIXES", "CAPABILITIES", "check_prompt"]
 
 
 class EngineDead(RuntimeError):
@@ -29,6 +29,14 @@ class WeightsRefused(ValueError):
     """``load_weights`` refused its tensors (an unknown name, a wrong shape or dtype) before
     applying any of them: the model is as it was. An engine that checks them all first raises
     this, so that a failed update does not count its weights as a mix of two versions."""
+
+
+WRAPPER_PREFIXES = (
+    ("module.", "the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()"),
+    ("_orig_mod.", "the names start with '_orig_mod.' (a torch.compile wrapper): pass "
+                   "model._orig_mod.named_parameters()"),
+)
+"""Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
 
 
 # Every optional operation an engine may have. "generate" and "abort" are mandatory.

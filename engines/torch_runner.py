@@ -31,7 +31,7 @@ import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
-from .base import EngineDead, EngineOutput, WeightsRefused
+from .base import WRAPPER_PREFIXES, EngineDead, EngineOutput, WeightsRefused
 from .torch_batch import SAMPLING_EPS, Batch, sample
 
 __all__ = ["Runner", "Seq"]
@@ -373,13 +373,6 @@ class Runner:
 
 
 MAX_LISTED = 10
-
-WRAPPER_PREFIXES = (
-    ("module.", "the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()"),
-    ("_orig_mod.", "the names start with '_orig_mod.' (a torch.compile wrapper): pass "
-                   "model._orig_mod.named_parameters()"),
-)
-"""Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
 """Most names, and most bad tensors, one refusal lists (a bucket may hold hundreds)."""
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from ..actors.process import kmp_names, record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineDead, EngineOutput, check_prompt
+from .base import WRAPPER_PREFIXES, Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt
 
 __all__ = ["VllmEngine", "EngineDead", "write_segment"]
 
@@ -480,8 +480,12 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ weights
 
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Apply named tensors in one reload. Raises EngineDead when the reload fails."""
+        """Apply named tensors in one reload. Raises WeightsRefused (nothing loaded, the engine
+        serves on) for names a trainer's wrapper prefixed (see ``refuse_wrapped_names``), and
+        EngineDead when the reload fails."""
         self._check()
+        weights = list(weights)
+        refuse_wrapped_names([name for name, _ in weights])
         await self._wake_weights()
         seg, entries = await asyncio.to_thread(write_segment, weights)
         try:
@@ -494,8 +498,11 @@ class VllmEngine(Engine):
         here). ``descriptor``: {'name': segment, 'tensors': [{'name','dtype','shape','offset',
         'nbytes'} or [name, dtype, shape, offset, nbytes], ...]}. commit=False stages a copy
         until ``commit_weights``; do that when a bucket may hold only part of a fused layer.
-        Returns the number of tensors. Raises EngineDead when the reload fails."""
+        Returns the number of tensors. Raises WeightsRefused (nothing loaded or staged, the
+        engine serves on) for names a trainer's wrapper prefixed, EngineDead when the reload
+        fails."""
         self._check()
+        refuse_wrapped_names([e["name"] if isinstance(e, dict) else e[0] for e in descriptor.get("tensors") or []])
         await self._wake_weights()
         return int(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
 
@@ -561,3 +568,14 @@ def _walk(root: str) -> list[str]:
     for d, _, files in os.walk(root):
         out.extend(os.path.join(d, f) for f in files if not stat.S_ISSOCK(os.stat(os.path.join(d, f)).st_mode))
     return out
+
+
+def refuse_wrapped_names(names: list[str]) -> None:
+    """Raise WeightsRefused when every name carries a wrapper's prefix (DDP's ``module.``,
+    torch.compile's ``_orig_mod.``): vLLM's loader fails on such a name half-way through a
+    reload, which leaves the model unusable (EngineDead, a restart of the worker), so they
+    are refused here, before vLLM sees any of them."""
+    for prefix, hint in WRAPPER_PREFIXES:
+        if names and all(name.startswith(prefix) for name in names):
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise WeightsRefused(f"load_weights: unknown names: {shown}; {hint}; nothing was loaded")
