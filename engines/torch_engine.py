@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -89,6 +90,10 @@ class TorchEngine(Engine):
         path = self.options.get("model")
         if path:
             from transformers import AutoModelForCausalLM
+
+            if str(path).startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(str(path))):
+                # transformers would take it for a Hub repo id and say that its form is wrong.
+                raise FileNotFoundError(f"model directory {path!r} does not exist")
 
             attn = self.options.get("attn_implementation") or "sdpa"
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attn)

@@ -363,6 +363,14 @@ async def test_load_weights_rejects_bad_names_shapes_and_dtypes(fresh):
     assert len((await collect(fresh, "w-ok", [1, 5], GREEDY))[0]) == 32
 
 
+async def test_a_model_directory_that_does_not_exist_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    eng = TorchEngine({"model": missing})
+    with pytest.raises(FileNotFoundError, match=f"model directory '{missing}' does not exist"):
+        await eng.start()
+    await eng.shutdown()
+
+
 async def test_load_weights_copies_nothing_when_any_tensor_is_bad(fresh):
     before = {n: t.clone() for n, t in fresh.model.state_dict().items()}
     new = tiny_llama_model(seed=3).state_dict()
