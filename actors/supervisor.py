@@ -1182,7 +1182,8 @@ class Supervisor:
         option off with tensors that are not a callable), is restarted, which loads its
         initial weights (version 0) and then the kept ones; none serves a mix. Also
         raises Unsupported (e.g. LoRA on an engine without it), FleetClosed, and ValueError (a
-        bad version, transport or bucket size; before any request is interrupted).
+        bad version, transport or bucket size, a module given instead of its tensors; before
+        any request is interrupted).
         """
         self._check_open()
         return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes,

@@ -172,6 +172,13 @@ class WeightSync:
 
         # Bad arguments fail here, before any request is interrupted.
         check_version(version)
+        from torch.nn import Module
+
+        if isinstance(named_tensors, Module):
+            # A module is callable: it would be taken for a callable that yields the tensors, and
+            # called with no input (the model's forward pass then fails with its own message).
+            raise ValueError(f"update_weights takes (name, tensor) pairs, not a module ({type(named_tensors).__name__}): "
+                             "pass model.named_parameters() or model.state_dict()")
         sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
         await self._wait_for_a_ready_worker()
         async with self._lock:

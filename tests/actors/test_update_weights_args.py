@@ -1,0 +1,26 @@
+"""Arguments of update_weights that are refused before any request is interrupted."""
+
+import asyncio
+
+import pytest
+
+from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.engines.tiny import tiny_llama_model
+from rollfleet.transport.messages import SamplingParams
+
+
+async def test_a_module_is_refused_with_what_to_pass_instead():
+    model = tiny_llama_model(0)
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr=None,
+                                      engine_options={"tokens_per_s": 200})) as fleet:
+        client = fleet.client()
+        running = asyncio.ensure_future(client.generate("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        # nn.Module is callable: it must not be taken for a callable that yields the tensors.
+        with pytest.raises(ValueError, match=r"not a module \(LlamaForCausalLM\): pass model.named_parameters\(\)"):
+            await fleet.update_weights(model, version=1)
+        result = await running
+        assert result.num_preemptions == 0 and result.weight_versions == [0]  # never interrupted
+        assert fleet.weight_version == 0
+        report = await fleet.update_weights(model.named_parameters(), version=1)
+        assert report.ok and fleet.weight_version == 1
