@@ -24,3 +24,22 @@ async def test_a_module_is_refused_with_what_to_pass_instead():
         assert fleet.weight_version == 0
         report = await fleet.update_weights(model.named_parameters(), version=1)
         assert report.ok and fleet.weight_version == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a process without CUDA")
+@pytest.mark.parametrize("weights, call, match", [
+    ({}, {"transport": "cuda_ipc"}, "transport 'cuda_ipc' needs CUDA in this process"),
+    ({"transport": "cuda_ipc"}, {}, "transport 'cuda_ipc' needs CUDA in this process"),
+    ({"transport": "collective", "collective_backend": "nccl"}, {}, "collective_backend 'nccl' needs CUDA"),
+])
+async def test_a_transport_that_needs_cuda_is_refused_without_it(weights, call, match):
+    model = tiny_llama_model(0)
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr=None, weights=weights,
+                                      engine_options={"tokens_per_s": 200})) as fleet:
+        client = fleet.client()
+        running = asyncio.ensure_future(client.generate("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match=match):
+            await fleet.update_weights(model.named_parameters(), version=1, **call)
+        result = await running
+        assert result.num_preemptions == 0 and fleet.weight_version == 0  # refused before anything was stopped
