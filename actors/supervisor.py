@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import socket
@@ -135,6 +136,16 @@ class _Leftovers:
             unlink_if_same(*self.frontend_file)
         if self.private_dir:
             remove_private_dir(self.private_dir)
+
+
+def resume_seed(seed: int, num_tokens: int) -> int:
+    """The seed of a seeded request resumed after ``num_tokens`` tokens. Its own seed would start
+    the engine's draws over: the continuation would reuse the uniforms that chose its first
+    tokens, so that token n + i follows token i (not a sample of the policy). A seed derived
+    from both is as reproducible (the same request interrupted at the same point draws the
+    same) and independent of the first draws. In [0, 2**62): a signed 64-bit int."""
+    digest = hashlib.blake2b(f"{int(seed)}/resume/{int(num_tokens)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class Supervisor:
@@ -916,7 +927,11 @@ class Supervisor:
             entry.t_dispatched = time.monotonic()
         params = entry.params
         if entry.token_ids:  # a resumed request continues from its partial output
-            params = params.replace(max_tokens=entry.remaining_tokens)
+            if params.seed is None:
+                params = params.replace(max_tokens=entry.remaining_tokens)
+            else:
+                params = params.replace(max_tokens=entry.remaining_tokens,
+                                        seed=resume_seed(params.seed, len(entry.token_ids)))
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
         try:
