@@ -1236,6 +1236,9 @@ class Supervisor:
             )
             for h, rep in zip(handles, replies):
                 engine_stats[h.worker_id] = rep.get("engine", {}) if isinstance(rep, dict) else {"error": repr(rep)}
+                if isinstance(rep, dict) and type(rep.get("num_tokens")) is int:
+                    # Fresher than the last heartbeat's (up to heartbeat_interval_s old).
+                    h.num_tokens = max(h.num_tokens, rep["num_tokens"])
         for index, h in sorted(self.slots.items()):
             info = h.describe(self.router.load(h.worker_id), self._restarts[index].total)
             if not h.alive:
