@@ -35,6 +35,9 @@ WRAPPER_PREFIXES = (
     ("module.", "the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()"),
     ("_orig_mod.", "the names start with '_orig_mod.' (a torch.compile wrapper): pass "
                    "model._orig_mod.named_parameters()"),
+    ("_fsdp_wrapped_module.", "the names start with '_fsdp_wrapped_module.' (an FSDP wrapper): pass the full "
+                              "state dict, model.state_dict() under FSDP.state_dict_type(model, "
+                              "StateDictType.FULL_STATE_DICT), whose names are the model's own"),
 )
 """Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
 

@@ -407,6 +407,16 @@ async def test_load_weights_says_when_the_names_are_a_torch_compile_wrappers(fre
     assert "DDP" not in text
 
 
+async def test_load_weights_says_when_the_names_are_an_fsdp_wrappers(fresh):
+    # FSDP(model, use_orig_params=True).named_parameters() starts every name "_fsdp_wrapped_module.".
+    wrapped = [(f"_fsdp_wrapped_module.{n}", t) for n, t in tiny_llama_model(seed=3).named_parameters()]
+    with pytest.raises(WeightsRefused) as info:
+        await fresh.load_weights(wrapped)
+    text = str(info.value)
+    assert "(an FSDP wrapper): pass the full state dict" in text and "FULL_STATE_DICT" in text
+    assert "DDP" not in text and "torch.compile" not in text
+
+
 async def test_load_weights_while_requests_run(fresh):
     stream = fresh.generate("w-live", [1, 7, 9], GREEDY.replace(max_tokens=300))
     tokens = (await anext(stream)).token_ids

@@ -34,7 +34,8 @@ def engine():
 
 
 @pytest.mark.parametrize("prefix, hint", [("module.", "model.module.named_parameters()"),
-                                          ("_orig_mod.", "model._orig_mod.named_parameters()")])
+                                          ("_orig_mod.", "model._orig_mod.named_parameters()"),
+                                          ("_fsdp_wrapped_module.", "StateDictType.FULL_STATE_DICT")])
 async def test_wrapped_names_are_refused_and_the_engine_lives(engine, prefix, hint):
     pairs = [(prefix + n, p.detach()) for n, p in tiny_llama_model(0).named_parameters()]
     with pytest.raises(WeightsRefused, match="nothing was loaded") as info:
