@@ -120,49 +120,58 @@ def check_args(args: argparse.Namespace) -> None:
 async def serve(args: argparse.Namespace) -> int:
     """Run the fleet until SIGINT/SIGTERM/SIGHUP. Returns the exit code: 0 after a signal,
     1 if the fleet failed to start, 2 on bad options."""
-    from .actors import FleetConfig, Supervisor
-    from .engines import check_engine_options
-
-    model_dir: str | None = None
-    try:
-        check_args(args)
-        options = engine_options(args)
-        check_engine_options(args.engine, options)  # before a model is built for it
-        devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
-        if args.engine in ("vllm", "sglang") and "model" not in options:
-            from .engines.tiny import build_tiny_llama
-
-            model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
-            options["model"] = build_tiny_llama(model_dir)
-        config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
-                             devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout,
-                             curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
-                             max_client_message_bytes=args.max_client_message_bytes)
-    except ValueError as exc:
-        _remove_dir(model_dir)
-        print(f"rollfleet serve: {exc}", file=sys.stderr)
-        return 2
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    # SIGHUP (its terminal closed) stops it too, unless it was started ignoring it (nohup).
+    # First of all, so that a signal at any moment from here on (while the imports below run,
+    # or a default model is written) still shuts down cleanly and exits 0. SIGHUP (its
+    # terminal closed) stops it too, unless it was started ignoring it (nohup).
     signals = (signal.SIGINT, signal.SIGTERM) + (
         (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ())
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    fleet = Supervisor(config)
+    model_dir: str | None = None
+    fleet = None
     wrote_ready = False
     try:
+        from .actors import FleetConfig, Supervisor
+        from .engines import check_engine_options
+
+        try:
+            check_args(args)
+            options = engine_options(args)
+            check_engine_options(args.engine, options)  # before a model is built for it
+            devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+            if args.engine in ("vllm", "sglang") and "model" not in options:
+                from .engines.tiny import build_tiny_llama
+
+                model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
+                options["model"] = build_tiny_llama(model_dir)
+            config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
+                                 devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout,
+                                 curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
+                                 max_client_message_bytes=args.max_client_message_bytes)
+        except ValueError as exc:
+            print(f"rollfleet serve: {exc}", file=sys.stderr)
+            return 2
+        await asyncio.sleep(0)  # let a signal that came meanwhile be seen before any worker starts
+        if stop.is_set():
+            return 0
+        fleet = Supervisor(config)
         # Start while watching for a signal, so a signal during a slow engine start still
         # shuts down cleanly (start() tears the half-built fleet down when cancelled).
         starting = asyncio.create_task(fleet.start())
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        if stop.is_set():  # a signal before the fleet was up: no failure to report
+            if not starting.cancelled():
+                starting.exception()  # read, so that one the shutdown caused is not logged as lost
             return 0
-        stopping.cancel()
         try:
             starting.result()
         except Exception as exc:  # WorkerStartError, a bad or busy --bind address (zmq), ...
@@ -182,7 +191,8 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("signal received; shutting down")
         return 0
     finally:
-        await fleet.shutdown()
+        if fleet is not None:
+            await fleet.shutdown()
         for sig in signals:
             loop.remove_signal_handler(sig)
         if wrote_ready:

@@ -205,3 +205,25 @@ def test_an_unknown_option_is_said_by_the_command_it_was_given_to():
     out = run("serve", "--bogus")
     assert out.returncode == 2 and out.stderr.strip() == (
         "rollfleet serve: error: unrecognized arguments: --bogus (see rollfleet serve --help)")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_serve_writes_its_default_model_exits_0_and_removes_it(tmp_path, sig):
+    # vllm's default model is written to a temporary directory before any worker starts (a
+    # second or more): a signal then is the same as later, exit 0 and nothing left behind.
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([*CLI, "serve", "--engine", "vllm", "--bind", "tcp://127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("rollfleet-serve-model-*")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "serve never started writing its model"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "Traceback" not in err and "never retrieved" not in err, (proc.returncode, err)
+        assert not list(tmp_path.glob("rollfleet-serve-model-*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
