@@ -28,6 +28,8 @@ ENGINES = ("echo", "torch", "vllm", "sglang")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rollfleet serve`` to ``parser``."""
+    from .cli import at_least  # numbers refused by the parser, naming the flag
+
     parser.description = (
         "Start a fleet of engine workers and serve its client-facing ZeroMQ ROUTER socket "
         "(protocol: PROTOCOL.md) until SIGINT, SIGTERM or SIGHUP (its terminal closed), then shut down cleanly "
@@ -40,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Local model directory for torch, vllm and sglang. Default: the built-in tiny "
                              "random Llama (torch builds it in memory; for vllm and sglang it is written to "
                              "a temporary directory, removed on exit). Not used by echo.")
-    parser.add_argument("--workers", type=int, default=1, metavar="N",
+    parser.add_argument("--workers", type=at_least(1), default=1, metavar="N",
                         help="Number of engine worker processes (default 1).")
     parser.add_argument("--devices", default=None, metavar="LIST",
                         help="Comma-separated device of each worker, e.g. cuda:0,cuda:1 (one per worker). "
@@ -63,14 +65,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="Once the fleet is ready, write the bound client address to PATH (removed on "
                              "exit). The address is also printed as 'rollfleet serving on ADDR'.")
-    parser.add_argument("--start-timeout", type=float, default=120.0, metavar="SECONDS",
-                        help="How long each worker may take to start its engine (default 120).")
-    parser.add_argument("--client-send-hwm", type=int, default=100_000, metavar="N",
+    parser.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                        help="How long each worker may take to start its engine (default 120; inf: no "
+                             "limit).")
+    parser.add_argument("--client-send-hwm", type=at_least(0), default=100_000, metavar="N",
                         help="Messages that may wait for one client; a client that stops reading past "
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
-    parser.add_argument("--max-client-message-bytes", type=int, default=64 << 20, metavar="N",
+    parser.add_argument("--max-client-message-bytes", type=at_least(1024), default=64 << 20, metavar="N",
                         help="Largest message a client may send; a larger one is answered too_large "
-                             "(default 67108864, 64 MiB).")
+                             "(at least 1024; default 67108864, 64 MiB).")
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0, inf included (no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (or inf), got {text}")
+    return value
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

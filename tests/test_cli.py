@@ -43,6 +43,10 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--ready-file", "/nonexistent/dir/ready"),
     ("serve", "--engine", "echo", "--engine-option", "tokens_per_sec=5"),
     ("serve", "--engine", "vllm", "--engine-option", "max_len=64"),
+    ("serve", "--engine", "echo", "--start-timeout", "nan"),
+    ("serve", "--engine", "echo", "--workers", "0"),
+    ("serve", "--engine", "echo", "--client-send-hwm", "-1"),
+    ("serve", "--engine", "echo", "--max-client-message-bytes", "100"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     out = run(*args)
@@ -50,6 +54,9 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no usage block: --help is for that
     assert out.stderr.startswith("rollfleet"), out.stderr
+    flag = next((a for a in args if a.startswith("--") and a not in ("--engine", "--log-level")), None)
+    if args[:1] == ("serve",) and flag in ("--start-timeout", "--workers", "--client-send-hwm", "--max-client-message-bytes"):
+        assert flag in out.stderr, out.stderr  # said as the flag, not as the FleetConfig field behind it
 
 
 def test_log_level_takes_any_case_and_numbers():
