@@ -148,15 +148,15 @@ class FleetConfig:
             raise ValueError(f"devices has {len(self.devices)} entries for {self.num_workers} workers")
         for name in ("start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s",
                      "report_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+            if not getattr(self, name) > 0:  # NaN included
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.client_send_hwm < 0 or self.max_client_message_bytes < 1024:
             raise ValueError("client_send_hwm must be >= 0 and max_client_message_bytes >= 1024")
         if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
             raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
-        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
         if self.accept_remote_workers and not (self.curve_keys_dir and (self.worker_addr or "").startswith("tcp://")):
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")

@@ -26,3 +26,11 @@ def test_checking_them_does_not_import_torch():
             "FleetConfig(engine='echo', weights={'bucket_bytes': 1 << 20}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("field", ["start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s",
+                                   "report_interval_s", "stall_timeout_s"])
+def test_a_nan_time_is_refused_like_a_negative_one(field):
+    # NaN <= 0 is false: a NaN start timeout got past the check and failed at start-up instead.
+    with pytest.raises(ValueError, match=field):
+        FleetConfig(engine="echo", **{field: float("nan")})
