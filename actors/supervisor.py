@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 import weakref
@@ -239,6 +240,11 @@ class Supervisor:
             for addr in (self.worker_address, cfg.frontend_addr):
                 if addr:
                     auth.check_bind(addr, cfg.curve_keys_dir)
+                path = ipc_path(addr) if addr else None
+                if path is not None and os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+                    # ZeroMQ would unlink it to bind there: a mistyped path must not cost a file.
+                    raise OSError(errno.EEXIST, f"{addr}: {path} exists and is not a socket file; refusing to "
+                                                "replace it")
             server_keys = None
             if cfg.curve_keys_dir:
                 server_keys = auth.load_server_keys(cfg.curve_keys_dir)

@@ -234,3 +234,14 @@ def test_a_signal_while_serve_writes_its_default_model_exits_0_and_removes_it(tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_on_an_ipc_path_that_is_a_plain_file_refuses_and_keeps_the_file(tmp_path):
+    # ZeroMQ binds an ipc:// address by unlinking whatever is at its path: a typo that names
+    # a file of the user's deleted it.
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    out = run("serve", "--engine", "echo", "--bind", f"ipc://{precious}")
+    assert out.returncode == 1 and "not a socket" in out.stderr, (out.returncode, out.stderr)
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert precious.read_text() == "keep me"
