@@ -140,16 +140,21 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
         side = [asyncio.create_task(abort_one())]
         if update_weights:
             side.append(asyncio.create_task(update_midway()))
-        with tqdm(total=num_requests, desc="rollouts", unit="req", file=sys.stdout) as bar:
-            for fut in asyncio.as_completed(tasks):
-                try:
-                    results.append(await fut)
-                except RolloutError as exc:
-                    errors += 1
-                    tqdm.write(f"request failed: {exc}", file=sys.stdout)
-                bar.update(1)
-        for t in side:
-            await t
+        try:
+            with tqdm(total=num_requests, desc="rollouts", unit="req", file=sys.stdout) as bar:
+                for fut in asyncio.as_completed(tasks):
+                    try:
+                        results.append(await fut)
+                    except RolloutError as exc:
+                        errors += 1
+                        tqdm.write(f"request failed: {exc}", file=sys.stdout)
+                    bar.update(1)
+            for t in side:
+                await t
+        finally:  # interrupted (Ctrl-C): stop what still runs while the fleet is up, quietly
+            for t in [*tasks, *side]:
+                t.cancel()
+            await asyncio.gather(*tasks, *side, return_exceptions=True)
         elapsed = time.monotonic() - t0
         stats = await fleet.stats(engines=False)
     rows = summarize(results, errors, elapsed, stats) + [("weight update", update[0])]

@@ -245,3 +245,19 @@ def test_serve_on_an_ipc_path_that_is_a_plain_file_refuses_and_keeps_the_file(tm
     assert out.returncode == 1 and "not a socket" in out.stderr, (out.returncode, out.stderr)
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     assert precious.read_text() == "keep me"
+
+
+def test_demo_interrupted_mid_batch_says_so_in_one_line(tmp_path):
+    proc = subprocess.Popen([*CLI, "demo", "--engine", "echo", "--max-tokens", "4000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert "fleet ready" in proc.stdout.readline() + proc.stdout.readline()
+        time.sleep(1.0)  # the rollouts (10 s each at the demo's 400 tokens/s) are running
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert err.strip() == "rollfleet demo: interrupted", err  # no error per rollout left running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
