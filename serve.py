@@ -122,6 +122,11 @@ def check_args(args: argparse.Namespace) -> None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or port.isdigit() and int(port) <= 65535):
             raise ValueError(f"--bind {args.bind}: expected tcp://HOST:PORT with a port in 0..65535")
+    if args.devices is not None:
+        devices = [d.strip() for d in args.devices.split(",")]
+        if not all(devices) or len(devices) != args.workers:
+            raise ValueError(f"--devices {args.devices}: expected {args.workers} device(s), comma-separated, one per "
+                             f"worker (--workers {args.workers})")
     for flag, value in (("--keys-dir", args.keys_dir), ("--model", args.model)):
         if value is not None and not os.path.isdir(value):
             raise ValueError(f"{flag} {value}: not a directory")

@@ -47,6 +47,9 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--workers", "0"),
     ("serve", "--engine", "echo", "--client-send-hwm", "-1"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", "100"),
+    ("serve", "--engine", "echo", "--devices", "cpu,"),
+    ("serve", "--engine", "echo", "--workers", "2", "--devices", "cpu"),
+    ("serve", "--engine", "echo", "--devices", ""),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     out = run(*args)
@@ -54,8 +57,10 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no usage block: --help is for that
     assert out.stderr.startswith("rollfleet"), out.stderr
-    flag = next((a for a in args if a.startswith("--") and a not in ("--engine", "--log-level")), None)
-    if args[:1] == ("serve",) and flag in ("--start-timeout", "--workers", "--client-send-hwm", "--max-client-message-bytes"):
+    flags = [a for a in args if a.startswith("--") and a not in ("--engine", "--log-level")]
+    flag = "--devices" if "--devices" in flags else next(iter(flags), None)
+    if args[:1] == ("serve",) and flag in ("--start-timeout", "--workers", "--client-send-hwm", "--max-client-message-bytes",
+                                           "--devices"):
         assert flag in out.stderr, out.stderr  # said as the flag, not as the FleetConfig field behind it
 
 
