@@ -512,8 +512,10 @@ class Supervisor:
             return
         reg = handle.registered
         was_ready = reg.done() and not reg.cancelled() and reg.exception() is None
-        logger.log(logging.INFO if self.closed else logging.WARNING,
-                   "worker %s (pid %d) died: %s", handle.worker_id, handle.pid, reason)
+        if self.closed:  # the fleet shuts down: its workers end, as asked
+            logger.info("worker %s (pid %d) ended with the fleet: %s", handle.worker_id, handle.pid, reason)
+        else:
+            logger.warning("worker %s (pid %d) died: %s", handle.worker_id, handle.pid, reason)
         handle.last_error = reason
         self._retire(handle, reason)
         sweep_shm_lists(self.private_dir)  # what its engine's processes shared, if it was killed
