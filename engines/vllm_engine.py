@@ -571,8 +571,8 @@ def _walk(root: str) -> list[str]:
 
 
 def refuse_wrapped_names(names: list[str]) -> None:
-    """Raise WeightsRefused when every name carries a wrapper's prefix (DDP's ``module.``,
-    torch.compile's ``_orig_mod.``): vLLM's loader fails on such a name half-way through a
+    """Raise WeightsRefused when every name carries a wrapper's prefix (base.WRAPPER_PREFIXES:
+    DDP's, torch.compile's, FSDP's): vLLM's loader fails on such a name half-way through a
     reload, which leaves the model unusable (EngineDead, a restart of the worker), so they
     are refused here, before vLLM sees any of them."""
     for prefix, hint in WRAPPER_PREFIXES:
