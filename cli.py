@@ -118,7 +118,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     try:
         stats = _run(go())
     except (RolloutError, zmq.ZMQError, OSError, ValueError) as exc:  # no fleet there, bad keys, a bad address
-        print(f"rollfleet stats: {args.address}: {exc}", file=sys.stderr)
+        text = str(exc)
+        if text.endswith(": curve_keys)"):  # the library's name for what the command line calls --keys-dir
+            text = text[:-len("curve_keys)")] + "--keys-dir DIR)"
+        print(f"rollfleet stats: {args.address}: {text}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))

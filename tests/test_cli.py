@@ -68,6 +68,8 @@ def test_log_level_takes_any_case_and_numbers():
     for level in ("info", "DEBUG", "10"):
         out = run("--log-level", level, "stats", "tcp://127.0.0.1:1", "--timeout", "0.2")
         assert out.returncode == 1 and "Traceback" not in out.stderr  # no fleet there: one line, exit 1
+        # The hint names the command's own option, not the library's parameter.
+        assert "given them: --keys-dir DIR)" in out.stderr and "curve_keys" not in out.stderr, out.stderr
 
 
 def test_keys_where_none_can_be_written_is_one_line_exit_1(tmp_path):
