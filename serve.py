@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from typing import Any
 
 __all__ = ["add_arguments", "serve", "engine_options", "check_args"]
@@ -144,7 +145,8 @@ async def serve(args: argparse.Namespace) -> int:
     # First of all, so that a signal at any moment from here on (while the imports below run,
     # or a default model is written) still shuts down cleanly and exits 0. SIGHUP (its
     # terminal closed) stops it too, unless it was started ignoring it (nohup).
-    signals = (signal.SIGINT, signal.SIGTERM) + (
+    # Signals reach the main thread only: run from another (embedded, a test), serve takes none.
+    signals = () if threading.current_thread() is not threading.main_thread() else (signal.SIGINT, signal.SIGTERM) + (
         (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ())
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
