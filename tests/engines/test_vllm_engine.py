@@ -287,7 +287,7 @@ async def test_failed_reload_is_fatal_and_shutdown_leaves_nothing(engine, privat
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
 
 
-def test_a_fleets_per_worker_sampling_seed_is_vllms_seed():
+async def test_a_fleets_per_worker_sampling_seed_is_vllms_seed():  # async: the module marks every test asyncio
     # vLLM draws unseeded requests from a generator seeded with its `seed`: each worker gets its own.
     args = VllmEngine({"model": "/m", "seed": 3, "sampling_seed": 41})._engine_args(cuda=False)
     assert args["seed"] == 41
