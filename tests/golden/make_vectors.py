@@ -91,6 +91,8 @@ VECTORS: list[Message] = [
             "num_inflight": 3,
             "num_pending": 0,
             "weight_version": 3,
+            "sleep_level": 0,
+            "engines_paused": False,
             "mode": "hybrid",
             "engine": "vllm",
             "host": "node-1",

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import pathlib
 import signal
 import sys
 import time
@@ -72,6 +73,9 @@ async def test_stats_per_worker_from_the_client_the_remote_client_and_the_cli():
             assert all(w["num_inflight"] == 0 and w["weight_version"] == 0 for w in workers)
             assert stats["num_completed"] == 40 and stats["num_inflight"] == 0
         assert sum(w["num_tokens"] for w in local["workers"]) > 0
+        # PROTOCOL.md's example answer (tests/golden/reply.json) has every key a fleet sends.
+        example = json.loads((pathlib.Path(__file__).parents[1] / "golden" / "reply.json").read_text())["data"]
+        assert set(local) == set(example) and set(local["workers"][0]) == set(example["workers"][0])
         assert victim.worker_id not in table and sup.slots[1].worker_id in table and "in flight: 0" in table
         header, *rows = table.splitlines()[:3]
         assert header.split()[:3] == ["worker_id", "host", "state"]
