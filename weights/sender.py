@@ -471,7 +471,10 @@ class WeightSender:
         report.seconds = time.perf_counter() - started
         if isinstance(exc, _LinkFailed):
             worker = exc.worker_id
-            text = f"weight update v{report.version} failed on worker {worker}: {exc.cause}"
+            cause = str(exc.cause)
+            if cause.startswith(f"worker {worker}: "):  # a worker's error names it already: once is enough
+                cause = cause[len(f"worker {worker}: "):]
+            text = f"weight update v{report.version} failed on worker {worker}: {cause}"
             report.workers[worker].error = f"{type(exc.cause).__name__}: {exc.cause}"
         else:
             worker = None

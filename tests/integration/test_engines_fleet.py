@@ -475,8 +475,9 @@ async def test_torch_failed_first_update_leaves_no_mix_the_worker_reloads_its_we
     async with Supervisor(cfg) as sup:
         client = sup.client()
         bad = list(new_state.items()) + [("model.no_such_weight", torch.zeros(2))]
-        with pytest.raises(WeightUpdateError, match="no_such_weight"):
+        with pytest.raises(WeightUpdateError, match="no_such_weight") as info:
             await client.update_weights(bad, version=1, bucket_bytes=64 << 10)
+        assert str(info.value).count("w0-0") == 1  # the worker is named once, not by each layer
         r = await asyncio.wait_for(client.generate("after", PROMPTS[3], greedy()), 120)
         assert r.token_ids == ref and r.weight_versions == [0]
         [worker] = (await client.stats())["workers"]
