@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import InvalidRequest, Unsupported
 from ..transport.messages import SamplingParams
 
-__all__ = ["Engine", "EngineOutput", "EngineDead", "WeightsRefused", "WRAPPER_PREFIXES", "CAPABILITIES", "check_prompt"]
+__all__ = ["Engine", "EngineOutput", "EngineDead", "WeightsRefused", "WRAPPER_PREFIXES", "wrapper_hint", "CAPABILITIES", "check_prompt"]
 
 
 class EngineDead(RuntimeError):
@@ -40,6 +40,15 @@ WRAPPER_PREFIXES = (
                               "StateDictType.FULL_STATE_DICT), whose names are the model's own"),
 )
 """Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
+
+
+def wrapper_hint(names: list[str], known: Any = None) -> str | None:
+    """What to pass instead when every name carries one wrapper's prefix (and, given ``known``,
+    the model's names, every name without it is one of them); None otherwise."""
+    for prefix, hint in WRAPPER_PREFIXES:
+        if names and all(n.startswith(prefix) and (known is None or n[len(prefix):] in known) for n in names):
+            return hint
+    return None
 
 
 # Every optional operation an engine may have. "generate" and "abort" are mandatory.

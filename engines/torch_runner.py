@@ -31,7 +31,7 @@ import torch
 
 from ..errors import EngineFailed, FleetClosed, InvalidRequest
 from ..transport.messages import FinishReason, SamplingParams
-from .base import WRAPPER_PREFIXES, EngineDead, EngineOutput, WeightsRefused
+from .base import EngineDead, EngineOutput, WeightsRefused, wrapper_hint
 from .torch_batch import SAMPLING_EPS, Batch, sample
 
 __all__ = ["Runner", "Seq"]
@@ -381,10 +381,9 @@ def _refusal(unknown: list[str], bad: list[str], params: dict[str, Any]) -> str:
     problems = []
     if unknown:
         problems.append(f"unknown names: {_listed(unknown)}")
-        for prefix, hint in WRAPPER_PREFIXES:
-            if all(name.startswith(prefix) and name[len(prefix):] in params for name in unknown):
-                problems.append(hint)
-                break
+        hint = wrapper_hint(unknown, params)
+        if hint is not None:
+            problems.append(hint)
     if bad:
         problems.append(f"wrong shape or dtype: {_listed(bad)}")
     return "; ".join(problems)

@@ -35,7 +35,7 @@ from typing import Any
 from ..actors.process import kmp_names, record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import WRAPPER_PREFIXES, Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt
+from .base import Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt, wrapper_hint
 
 __all__ = ["VllmEngine", "EngineDead", "write_segment"]
 
@@ -575,7 +575,7 @@ def refuse_wrapped_names(names: list[str]) -> None:
     DDP's, torch.compile's, FSDP's): vLLM's loader fails on such a name half-way through a
     reload, which leaves the model unusable (EngineDead, a restart of the worker), so they
     are refused here, before vLLM sees any of them."""
-    for prefix, hint in WRAPPER_PREFIXES:
-        if names and all(name.startswith(prefix) for name in names):
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise WeightsRefused(f"load_weights: unknown names: {shown}; {hint}; nothing was loaded")
+    hint = wrapper_hint(names)
+    if hint is not None:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise WeightsRefused(f"load_weights: unknown names: {shown}; {hint}; nothing was loaded")
