@@ -255,8 +255,10 @@ def test_serve_on_an_ipc_path_that_is_a_plain_file_refuses_and_keeps_the_file(tm
 
 
 def test_demo_interrupted_mid_batch_says_so_in_one_line(tmp_path):
+    # SIGINT as a terminal gives it: a runner started in the background (nohup ... &) passes it on ignored.
     proc = subprocess.Popen([*CLI, "demo", "--engine", "echo", "--max-tokens", "4000"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "fleet ready" in proc.stdout.readline() + proc.stdout.readline()
         time.sleep(1.0)  # the rollouts (10 s each at the demo's 400 tokens/s) are running
