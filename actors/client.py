@@ -49,7 +49,7 @@ __all__ = ["LLMClient", "RemoteClient"]
 
 logger = logging.getLogger(__name__)
 
-_END = object()
+_GIVEN_UP = object()  # generate_batch: the slot of a request its caller stopped waiting for
 _batch_ids = itertools.count()
 # generate_batch's own ids: unique per process, so two clients' batches never share an id
 _BATCH_PREFIX = f"{os.getpid():x}{secrets.token_hex(3)}-"
@@ -189,20 +189,22 @@ class _Base:
         request_ids: Sequence[str] | None = None,
         timeout: float | None = None,
         return_exceptions: bool = False,
-        **kwargs: Any,
+        session_id: str | None = None,
+        resume: bool | None = None,
     ) -> list[Any]:
         """Generate for every prompt concurrently; the results in prompt order.
 
         ``sampling_params`` is one for all (SamplingParams, dict or None) or a list with one
         per prompt. ``request_ids`` defaults to fresh unique ids; ``timeout`` applies to each
-        request, and the other keywords (``session_id``, ``resume``) to all of them. With
+        request, and ``session_id`` and ``resume`` to all of them. With
         ``return_exceptions`` a failed request's slot holds its RolloutError. Without it, the
         first failure is raised once the batch's other requests are cancelled (stopped on their
         workers; their partial output is dropped), as they are when the call itself is
         cancelled. For n samples of a prompt, repeat it n times, with no seed or a different one
         each (requests with the same seed draw the same tokens). The ids, their number and the
         sampling parameters are checked before any request is sent (InvalidRequest, DuplicateRequest for an id given twice); a prompt the
-        fleet refuses fails like any other request, after earlier ones may have started.
+        fleet refuses fails like any other request, and without ``return_exceptions`` no later
+        prompt is sent.
         """
         prompts = list(prompts)
         if request_ids is None:
@@ -224,15 +226,76 @@ class _Base:
             raise DuplicateRequest("generate_batch: request_ids repeat an id")
         for request_id in request_ids:
             _check_id(request_id)
+        _check_session(session_id)
         prompts = [_prompt(p) for p in prompts]
-        tasks = [asyncio.ensure_future(self.generate(rid, p, sp, timeout=timeout, **kwargs))
-                 for rid, p, sp in zip(request_ids, prompts, per_prompt)]
+        if timeout is None:
+            timeout = self.default_timeout_s
+        # One future for the whole batch, not a task per request: each request's sink files its
+        # answer in its slot, and the last one (or, without return_exceptions, the first
+        # failure) wakes this call up.
+        answers: list[Any] = [None] * len(prompts)
+        left = len(prompts)
+        first_failure: int | None = None
+        woken = asyncio.get_running_loop().create_future()
+
+        def answered(i: int, answer: Any) -> None:
+            nonlocal left, first_failure
+            answers[i] = answer
+            left -= 1
+            if not isinstance(answer, Result) and first_failure is None:
+                first_failure = i
+            if not woken.done() and (not left or (first_failure is not None and not return_exceptions)):
+                woken.set_result(None)
+
+        sent: list[int] = []
+        timed_out = False
         try:
-            return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+            for i, (request_id, prompt, params) in enumerate(zip(request_ids, prompts, per_prompt)):
+                if first_failure is not None and not return_exceptions:
+                    break
+
+                def sink(msg: Message, i: int = i) -> None:
+                    if answers[i] is None and isinstance(msg, (Result, Error)):
+                        answered(i, msg)
+
+                try:
+                    sending = self._submit(request_id, prompt, params, sink, False, session_id, resume)
+                    if sending is not None:
+                        await sending
+                except RolloutError as exc:
+                    answered(i, exc)
+                    continue
+                sent.append(i)
+                self.on_dispatch(request_id)
+            if not woken.done():
+                try:
+                    await asyncio.wait_for(woken, timeout)
+                except asyncio.TimeoutError:
+                    timed_out = True
         finally:
-            for task in tasks:
-                task.cancel()  # those still running: none is left behind unawaited
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Requests sent and not answered: the caller gave up on them (a failure, the timeout,
+            # the call cancelled). Their slots are closed first, so that a late answer is dropped.
+            for i in sent:
+                if answers[i] is None:
+                    answers[i] = _GIVEN_UP
+                    self.on_cancel(request_ids[i])
+                    self._cancel(request_ids[i])
+        results: list[Any] = []
+        for i, answer in enumerate(answers):
+            if type(answer) is Result:
+                answer = GenerationResult.from_message(answer, copy=False)
+                self.on_complete(answer)
+            elif type(answer) is Error:
+                answer = from_code(answer.code, answer.message, request_ids[i])
+            elif answer is _GIVEN_UP and timed_out:
+                answer = RequestTimeout(f"request {request_ids[i]!r} timed out after {timeout}s",
+                                        request_id=request_ids[i])
+                if first_failure is None:
+                    first_failure = i
+            results.append(answer)
+        if first_failure is not None and not return_exceptions:
+            raise results[first_failure]
+        return results
 
     async def stream(
         self,

@@ -581,6 +581,65 @@ async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_befo
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
 
 
+class _Hooks:
+    """Records the client hooks a batch calls."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatched, self.completed, self.cancelled = [], [], []
+
+    def on_dispatch(self, request_id):
+        self.dispatched.append(request_id)
+
+    def on_complete(self, result):
+        self.completed.append(result.request_id)
+
+    def on_cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+class _LocalHooks(_Hooks, LLMClient):
+    pass
+
+
+class _RemoteHooks(_Hooks, RemoteClient):
+    pass
+
+
+async def test_generate_batch_sends_nothing_after_a_refused_prompt_and_calls_each_hook_once():
+    async with fleet(2, engine_options={"tokens_per_s": 100}) as sup:
+        async with _RemoteHooks(sup.frontend_address) as remote:
+            for client in (_LocalHooks(sup), remote):
+                ids = ["a", "b", "c", "d"]
+                bad = [[1], [2], ["x"], [3]]  # the third is refused (in-process: as it is sent)
+                with pytest.raises(InvalidRequest) as info:
+                    await client.generate_batch(bad, SamplingParams(max_tokens=1000), request_ids=ids)
+                assert info.value.request_id == "c"
+                if client is remote:  # refused by the fleet, after the last one went too: all stopped
+                    assert client.dispatched == ids and sorted(client.cancelled) == ["a", "b", "d"]
+                else:  # refused as it was sent: the two before it were stopped, the last never went
+                    assert client.dispatched == ["a", "b"] and sorted(client.cancelled) == ["a", "b"]
+                assert client.completed == []
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+                client.dispatched.clear(), client.cancelled.clear()
+                kept = await client.generate_batch(bad, SamplingParams(max_tokens=2), request_ids=ids,
+                                                   return_exceptions=True)
+                assert isinstance(kept[2], InvalidRequest)
+                assert [r.request_id for i, r in enumerate(kept) if i != 2] == ["a", "b", "d"]
+                assert client.completed == ["a", "b", "d"]
+                assert client.dispatched == (ids if client is remote else ["a", "b", "d"])
+                assert client.cancelled == []
+                # a timeout: every request not finished is stopped, and each slot says so
+                client.dispatched.clear(), client.completed.clear()
+                slow = await client.generate_batch([[1], [2]], [SamplingParams(max_tokens=1),
+                                                                 SamplingParams(max_tokens=1000)],
+                                                   request_ids=["t1", "t2"], timeout=1.0, return_exceptions=True)
+                assert slow[0].token_ids == expected_tokens([1], 1)
+                assert isinstance(slow[1], RequestTimeout) and slow[1].request_id == "t2"
+                assert client.completed == ["t1"] and client.cancelled == ["t2"]
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+
+
 async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeout():
     with socket_module.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
