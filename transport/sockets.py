@@ -59,6 +59,8 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if addr.startswith("tcp://["):  # an IPv6 address ([::1] say): ZeroMQ takes none without this
+            sock.setsockopt(zmq.IPV6, 1)
         if kind == zmq.ROUTER:
             # Fail loudly (EHOSTUNREACH) instead of dropping a message to a peer that is gone.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

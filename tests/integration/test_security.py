@@ -40,6 +40,28 @@ def test_loopback_rule():
     assert not is_loopback_address("tcp://10.1.2.3:5")
 
 
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="needs an IPv6 loopback (::1)")
+async def test_a_fleet_on_the_ipv6_loopback_serves_its_clients():
+    # tcp://[::1] passes the loopback rule; ZeroMQ binds and connects to it only with its IPv6 option.
+    config = FleetConfig(engine="echo", num_workers=1, frontend_addr="tcp://[::1]:0")
+    async with Supervisor(config) as sup:
+        assert sup.frontend_address.startswith("tcp://[::1]:")
+        async with RemoteClient(sup.frontend_address, request_timeout_s=30) as remote:
+            result = await remote.generate("v6", [1, 2], SamplingParams(max_tokens=3))
+        assert result.token_ids == echo_tokens([1, 2], 3)
+
+
 async def test_non_loopback_bind_without_keys_is_refused_with_instructions(capsys):
     for addrs in ({"frontend_addr": "tcp://0.0.0.0:0"}, {"worker_addr": "tcp://10.1.2.3:0"}):
         with pytest.raises(ValueError, match="rollfleet keys"):
