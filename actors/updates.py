@@ -168,7 +168,7 @@ class WeightSync:
         if sup.config.mode == "colocated":
             raise Unsupported("a colocated fleet takes no weight updates (mode='colocated')")
         from ..weights.bucket import named_pairs
-        from ..weights.sender import check_version
+        from ..weights.sender import check_cuda_here, check_version
 
         # Bad arguments fail here, before any request is interrupted.
         check_version(version)
@@ -180,7 +180,7 @@ class WeightSync:
             raise ValueError(f"update_weights takes (name, tensor) pairs, not a module ({type(named_tensors).__name__}): "
                              "pass model.named_parameters() or model.state_dict()")
         sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
-        _check_cuda_here(sender.config)
+        check_cuda_here(sender.config)
         await self._wait_for_a_ready_worker()
         async with self._lock:
             if lora is not None:
@@ -262,21 +262,6 @@ class WeightSync:
                     handle.proc.kill()  # its requests resume elsewhere through the death path
                 deadline = loop.time() + self.drain_timeout_s
             await asyncio.sleep(0.002)
-
-
-def _check_cuda_here(config: Any) -> None:
-    """ValueError for a transport that needs CUDA in this process when it has none (else torch
-    raises an AssertionError from deep in the sender, after the running requests were stopped)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    if config.transport == "cuda_ipc":
-        raise ValueError("transport 'cuda_ipc' needs CUDA in this process (torch.cuda.is_available() is False): "
-                         "use 'shm' (or 'auto') for engines on the CPU")
-    if config.transport == "collective" and config.collective_backend == "nccl":
-        raise ValueError("collective_backend 'nccl' needs CUDA in this process (torch.cuda.is_available() is False): "
-                         "use 'gloo' (or 'auto')")
 
 
 def _names_into(tensors: NamedTensors, sent: set[str]) -> Iterator[tuple[str, Any]]:

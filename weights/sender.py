@@ -179,6 +179,19 @@ def release_buffers() -> None:
             module.release_kept()
 
 
+def check_cuda_here(config: WeightSyncConfig) -> None:
+    """ValueError for a transport that needs CUDA in this process when it has none (else torch
+    raises a bare AssertionError from deep in the update)."""
+    if torch.cuda.is_available():
+        return
+    if config.transport == "cuda_ipc":
+        raise ValueError("transport 'cuda_ipc' needs CUDA in this process (torch.cuda.is_available() is False): "
+                         "use 'shm' (or 'auto') for engines on the CPU")
+    if config.transport == "collective" and config.collective_backend == "nccl":
+        raise ValueError("collective_backend 'nccl' needs CUDA in this process (torch.cuda.is_available() is False): "
+                         "use 'gloo' (or 'auto')")
+
+
 class WeightSender:
     """Pushes named tensors to engine workers. One update at a time per sender."""
 
@@ -207,6 +220,7 @@ class WeightSender:
         arguments before anything is sent.
         """
         check_version(version)
+        check_cuda_here(self.config)
         if not links:
             raise ValueError("no workers to update")
         if len({l.worker_id for l in links}) != len(links):

@@ -43,3 +43,17 @@ async def test_a_transport_that_needs_cuda_is_refused_without_it(weights, call, 
             await fleet.update_weights(model.named_parameters(), version=1, **call)
         result = await running
         assert result.num_preemptions == 0 and fleet.weight_version == 0  # refused before anything was stopped
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a process without CUDA")
+@pytest.mark.parametrize("config, match", [
+    ({"transport": "cuda_ipc"}, "transport 'cuda_ipc' needs CUDA in this process"),
+    ({"transport": "collective", "collective_backend": "nccl"}, "collective_backend 'nccl' needs CUDA"),
+])
+async def test_a_weight_sender_used_directly_refuses_a_transport_that_needs_cuda_without_it(config, match):
+    import torch
+
+    from rollfleet.weights import WeightSender, WeightSyncConfig
+
+    with pytest.raises(ValueError, match=match):  # before any link is looked at
+        await WeightSender(WeightSyncConfig(**config)).update([("w", torch.zeros(2))], 1, [])
