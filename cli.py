@@ -109,6 +109,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
             keys = load_client_keys(args.keys_dir)
         async with RemoteClient(args.address, call_timeout_s=args.timeout, curve_keys=keys) as client:
+            client.keys_hint = "--keys-dir DIR"
             return await client.stats()
 
     import zmq
@@ -118,10 +119,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     try:
         stats = _run(go())
     except (RolloutError, zmq.ZMQError, OSError, ValueError) as exc:  # no fleet there, bad keys, a bad address
-        text = str(exc)
-        if text.endswith(": curve_keys)"):  # the library's name for what the command line calls --keys-dir
-            text = text[:-len("curve_keys)")] + "--keys-dir DIR)"
-        print(f"rollfleet stats: {args.address}: {text}", file=sys.stderr)
+        print(f"rollfleet stats: {args.address}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))

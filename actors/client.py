@@ -468,6 +468,8 @@ class RemoteClient(_Base):
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
+        self.keys_hint = "curve_keys"
+        """What the no-connection error names as the way to give keys (a CLI names its option)."""
         # The process's shared context, not one of its own: a client dropped without close()
         # is collected with its sockets in one cycle, and a context finalized before its sockets
         # close would block the collector forever in term().
@@ -686,7 +688,7 @@ class RemoteClient(_Base):
             return await asyncio.wait_for(fut, self.call_timeout_s)
         except asyncio.TimeoutError:
             why = "" if self._up else (f": no connection to a fleet at {self.address} came up (is one serving there? "
-                                       f"one that requires CurveZMQ keys answers only clients given them: curve_keys)")
+                                       f"one that requires CurveZMQ keys answers only clients given them: {self.keys_hint})")
             raise RequestTimeout(f"no answer to {msg.TYPE.value} within {self.call_timeout_s}s{why}") from None
         finally:
             self._calls.pop(msg.id, None)
