@@ -25,6 +25,13 @@ ENGINE_OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
+# Options a fleet sets for each worker itself (one given by the user would silently override it);
+# an engine built directly takes them. What to use instead:
+_FLEET_OPTIONS = {
+    "device": "choose the workers' devices with FleetConfig.devices (serve --devices)",
+    "private_dir": "FleetConfig.private_dir_root chooses where the fleet's private directory goes",
+}
+
 # Values checked before a worker starts: (engine or None for all, option) -> (what it must
 # be, test). Others are left to the engine (vLLM's own checks name what is wrong).
 _FLOAT_DTYPES = frozenset({"float32", "float", "float16", "half", "bfloat16", "float64", "double"})
@@ -56,13 +63,17 @@ _VALUE_CHECKS: dict[tuple[str | None, str], tuple[str, Any]] = {
 
 
 def check_engine_options(name: str, options: dict[str, Any] | None) -> None:
-    """Raise ValueError for an unknown engine, naming any option its engine does not read, or
-    one whose value cannot be right (a negative rate, a dtype that is not a float one, ...)."""
+    """Raise ValueError for an unknown engine, naming any option its engine does not read, one
+    the fleet sets itself (device, private_dir), or one whose value cannot be right (a negative
+    rate, a dtype that is not a float one, ...)."""
     known = ENGINE_OPTIONS.get(name)
     if known is None:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
     if not options:
         return
+    for key, instead in _FLEET_OPTIONS.items():
+        if key in options:
+            raise ValueError(f"engine option {key!r} is set by the fleet for each worker: {instead}")
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
         hint = " (other arguments of the engine itself go in 'extra', a dict)" if "extra" in known else ""

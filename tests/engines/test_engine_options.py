@@ -45,7 +45,17 @@ def test_every_option_an_adapter_reads_is_accepted(name):
         read |= set(re.findall(r"\"([a-z_]+)\"", group))
     assert read, f"no option reads found in {MODULES[name]}"
     assert read <= ENGINE_OPTIONS[name], read - ENGINE_OPTIONS[name]
-    check_engine_options(name, dict.fromkeys(ENGINE_OPTIONS[name], None))  # all of them together pass
+    # all of them together pass, but those the fleet sets for each worker
+    check_engine_options(name, dict.fromkeys(ENGINE_OPTIONS[name] - {"device", "private_dir"}, None))
+
+
+@pytest.mark.parametrize("key, points_to", [("device", "FleetConfig.devices"),
+                                            ("private_dir", "FleetConfig.private_dir_root")])
+def test_an_option_the_fleet_sets_for_each_worker_is_refused_with_what_to_use(key, points_to):
+    # Given, it overrode the fleet's own: a GPU fleet's workers on another device, or engine
+    # files in a directory the fleet never removes.
+    with pytest.raises(ValueError, match=f"'{key}' is set by the fleet for each worker: .*{points_to}"):
+        FleetConfig(engine="echo", engine_options={key: "cpu" if key == "device" else "/tmp"})
 
 
 @pytest.mark.parametrize("engine, options, says", [
