@@ -106,6 +106,9 @@ def check_pair(item: Any) -> tuple[str, torch.Tensor]:
         raise ValueError(f"weights: {name!r} is a DTensor (a shard of an FSDP2 or tensor-parallel model); send "
                          "whole tensors, e.g. (name, p.full_tensor()) for each parameter (full_tensor() is a "
                          "collective: every rank of the mesh must call it)")
+    if tensor.is_meta:  # (torch's own error: "Cannot copy out of meta tensor; no data!")
+        raise ValueError(f"weights: {name!r} is on the meta device: it has a shape and no data; send the "
+                         "tensor once it is materialized (e.g. after the model's weights were loaded)")
     return name, tensor
 
 

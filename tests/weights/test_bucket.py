@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rollfleet.weights.bucket import (
-    ALIGN, DTYPES, Assembler, Packer, bucket_nbytes, check_whole, dtype_from_name, fill, unpack,
+    ALIGN, DTYPES, Assembler, Packer, bucket_nbytes, check_pair, check_whole, dtype_from_name, fill, unpack,
 )
 from weights_harness import digest, make_weights
 
@@ -156,3 +156,12 @@ def test_in_place_tensors_take_no_buffer_room_but_count_towards_the_bucket():
 def test_check_whole_refuses_bytes_that_do_not_match_the_tensor(entry):
     with pytest.raises(ValueError):
         check_whole(entry)
+
+
+def test_a_meta_tensor_is_refused_by_name_before_any_copy():
+    with pytest.raises(ValueError, match="'w' is on the meta device: it has a shape and no data"):
+        check_pair(("w", torch.empty(4, 4, device="meta")))
+    with torch.device("meta"):  # a model built without its weights
+        layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="'weight' is on the meta device"):
+        check_pair(next(iter(layer.named_parameters())))
