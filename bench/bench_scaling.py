@@ -6,7 +6,9 @@ Supervisor with echo workers (no model: every microsecond is rollfleet's) takes:
 
 - a flood of ``generate(max_tokens=1)`` calls with ``--window`` in flight: requests/s, and the
   p50/p99 latency of those calls under that load;
-- calls one at a time: the unloaded p50/p99 (routing among more workers must not cost more).
+- calls one at a time: the unloaded p50/p99 (routing among more workers must not cost more);
+- the same number of requests as ``generate_batch`` calls of window / 2 prompts, two at a time,
+  as a rollout step submits its prompts: requests/s and the loop's CPU.
 
 During each flood the CPU time of the supervisor process (with the in-process client that
 drives it, as in a training job), of its event-loop thread alone, of the worker processes and
@@ -49,7 +51,9 @@ Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_
 ``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``,
 ``supervisor_us_per_req_{n}w``, ``loop_us_per_req_{n}w``, ``workers_us_per_req_{n}w`` (CPU per
 request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
-``start_s_{n}w`` (fleet start-up); ``gbps_{k}w`` (model bytes per second of update),
+``start_s_{n}w`` (fleet start-up); ``batch_rps_{n}w``, ``batch_loop_cpu_{n}w``,
+``batch_loop_us_per_req_{n}w``, ``batch_bottleneck_{n}w`` (the generate_batch floods),
+``batch_loop_cpu_max``; ``gbps_{k}w`` (model bytes per second of update),
 ``update_s_{k}w``, ``weights_supervisor_cpu_{k}w``, ``weights_workers_cpu_{k}w``,
 ``memcpy_gbps`` (one copy of the same bytes, for scale), ``rps_scaling_max`` (rps at the
 largest fleet / rps at the smallest: one worker unless ``--workers`` leaves it out),
@@ -195,6 +199,27 @@ async def metered_flood(sup: Supervisor, client, into: dict, n: int, window: int
     into["lat"] += lat
 
 
+async def metered_batches(sup: Supervisor, client, into: dict, n: int, window: int) -> None:  # type: ignore[no-untyped-def]
+    """n calls as ``generate_batch`` calls of window / 2 prompts, two at a time (a rollout step
+    submits its prompts so), with the CPU meter running; rate, calls and CPU go into ``into``."""
+    size, left = max(window // 2, 1), n
+
+    async def lane() -> None:
+        nonlocal left
+        while left > 0:
+            k = min(size, left)
+            left -= k
+            await client.generate_batch([PROMPT] * k, PARAMS)
+
+    meter = CpuMeter(sup)
+    meter.start()
+    t0 = time.perf_counter()
+    await asyncio.gather(lane(), lane())
+    into["rps"].append(n / (time.perf_counter() - t0))
+    into["cpu"].append(meter.stop())
+    into["num_calls"] += n
+
+
 def totals(f: dict, cores: int) -> None:
     """A fleet size's floods, summed up in place: calls, CPU seconds and cores, median rate,
     latency percentiles, bottleneck."""
@@ -218,7 +243,8 @@ async def fleets_in_turns(sizes: dict, cores: int) -> dict:
                                  frontend_addr=None, start_timeout_s=300)
             t0 = time.perf_counter()
             sups[n] = await stack.enter_async_context(Supervisor(config))
-            out[n] = {"start_s": time.perf_counter() - t0, "seq": [], "lat": [], "rps": [], "cpu": []}
+            out[n] = {"start_s": time.perf_counter() - t0, "seq": [], "lat": [], "rps": [], "cpu": [],
+                      "batches": {"rps": [], "cpu": [], "num_calls": 0}}
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():
             await flood(client, sizes["warmup"], sizes["window"], f"warm{n}")
@@ -231,8 +257,13 @@ async def fleets_in_turns(sizes: dict, cores: int) -> dict:
         for r in range(ROUNDS):
             for n, client in clients.items():
                 await metered_flood(sups[n], client, out[n], sizes["tput"] // ROUNDS, sizes["window"], f"f{n}-{r}")
+                await metered_batches(sups[n], client, out[n]["batches"], sizes["tput"] // ROUNDS, sizes["window"])
     for n, f in out.items():
         totals(f, cores)
+        b = f["batches"]
+        b["loop_s"] = sum(s["loop"] for s in b["cpu"])
+        b["cpu"], b["rps"] = cores_used(b["cpu"]), statistics.median(b["rps"])
+        b["bottleneck"] = bottleneck(b["cpu"], cores)
         f["seq"] = summarize(f["seq"])
         print(f"{n:>3} workers: {f['rps']:,.0f} req/s, p99 {f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} "
               f"cores, workers {f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}",
@@ -583,6 +614,10 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         m[f"workers_us_per_req_{n}w"] = f["cpu_s"]["workers"] / f["num_calls"] * 1e6
         # What the event loop alone could sustain if it had a core to itself.
         m[f"loop_ceiling_rps_{n}w"] = f["num_calls"] / max(f["cpu_s"]["loop"], 1e-9)
+        b = f["batches"]
+        m[f"batch_rps_{n}w"], m[f"batch_loop_cpu_{n}w"] = b["rps"], b["cpu"]["loop"]
+        m[f"batch_loop_us_per_req_{n}w"] = b["loop_s"] / b["num_calls"] * 1e6
+        m[f"batch_bottleneck_{n}w"] = b["bottleneck"]
     if ranks:
         by = ranks["by_ranks"]
         m["ranks_workers"] = ranks["workers"]
@@ -638,6 +673,7 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
     m["p99_scaling_max"] = fleets[top]["lat"]["p99"] / fleets[low]["lat"]["p99"]
     m["bottleneck"] = fleets[top]["bottleneck"]
     m["supervisor_loop_cpu_max"] = max(f["cpu"]["loop"] for f in fleets.values())
+    m["batch_loop_cpu_max"] = max(f["batches"]["cpu"]["loop"] for f in fleets.values())
     if updates:
         m["memcpy_gbps"] = memcpy
         m["max_receivers"] = max(updates)
@@ -842,6 +878,12 @@ def main(argv: list[str] | None = None) -> int:
                  for n, f in sorted(fleets.items())],
                 title=f"echo fleet, generate(max_tokens=1), {args.window} in flight; {cores} cores, "
                       f"{machine['machine_cpu']}, load {machine['machine_load_1m']}{' (quick)' if args.quick else ''}")
+    print()
+    print_table(["workers", "req/s", "vs single calls", "loop cores", "loop us/req", "vs single calls", "bottleneck"],
+                [(n, f["batches"]["rps"], f["batches"]["rps"] / f["rps"], f["batches"]["cpu"]["loop"],
+                  m[f"batch_loop_us_per_req_{n}w"], m[f"batch_loop_us_per_req_{n}w"] / m[f"loop_us_per_req_{n}w"],
+                  f["batches"]["bottleneck"]) for n, f in sorted(fleets.items())],
+                title=f"the same requests as generate_batch calls of {max(args.window // 2, 1)} prompts, two at a time")
     if ranks:
         print()
         print_table(["ranks", "workers each", "req/s", "vs fewest ranks", "p99 us", "busiest loop cores", "sup. cores",

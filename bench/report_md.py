@@ -239,6 +239,14 @@ def bottleneck_text(m: dict[str, Any]) -> str:
     else:
         text.append("Neither the loop nor the machine was saturated: throughput was bounded by round trips "
                     "(requests in flight / latency).")
+    if all(f"batch_loop_us_per_req_{n}w" in m for n in ns):
+        low = ns[0]
+        text.append(
+            f"Submitted as `generate_batch` calls instead (two batches of half the window in flight, as a rollout "
+            f"step submits its prompts), the loop spent {listed(m, 'batch_loop_us_per_req_{}w', ns, '.0f')} us a "
+            f"request with {', '.join(map(str, ns))} workers, was busy {listed(m, 'batch_loop_cpu_{}w', ns, '.2f')} "
+            f"of a core, and with {low} worker{'s' if low > 1 else ''} the limit was: "
+            f"{m.get(f'batch_bottleneck_{low}w', '?')}.")
     rs = sizes_in(m, "ranks_rps_", "r")
     if len(rs) > 1 and "ranks_workers" in m:
         r, w = rs[-1], m["ranks_workers"]
