@@ -228,6 +228,8 @@ class _Base:
             _check_id(request_id)
         _check_session(session_id)
         prompts = [_prompt(p) for p in prompts]
+        if not prompts:
+            return []
         if timeout is None:
             timeout = self.default_timeout_s
         # One future for the whole batch, not a task per request: each request's sink files its

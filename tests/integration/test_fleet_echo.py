@@ -548,6 +548,7 @@ async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_befo
                 assert [r.token_ids for r in same] == [expected_tokens(p, 3) for p in prompts]
                 assert len({r.request_id for r in same}) == 6
                 each = await client.generate_batch((p for p in prompts), [{"max_tokens": n} for n in lengths])
+                assert await asyncio.wait_for(client.generate_batch([]), 5) == []
                 assert [r.token_ids for r in each] == [expected_tokens(p, n) for p, n in zip(prompts, lengths)]
                 # bad arguments start nothing
                 for args, kwargs, error in (
