@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "CRITICAL (any case) or a number (default WARNING).")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="Run a demo: a fleet, a batch of rollouts, an abort, a weight update, a summary.")
+    demo_help = "Run a demo: a fleet, a batch of rollouts, an abort, a weight update, a summary."
+    demo = sub.add_parser("demo", help=demo_help, description=demo_help)
     demo.add_argument("--engine", default="torch", choices=["torch", "vllm", "echo"],
                       help="Engine of the workers (default torch, on CPU; vllm needs the vllm extra).")
     demo.add_argument("--workers", type=at_least(1), default=2, help="Number of worker processes (default 2).")
@@ -190,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-update", action="store_true", help="Skip the weight update in the middle of the batch.")
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
 
-    stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).")
+    stats = sub.add_parser("stats", help="Print the stats of a running fleet (e.g. one started by `rollfleet serve`).",
+                           description="Print the stats of a running fleet (e.g. one started by `rollfleet serve`): "
+                                       "a table of its workers and a line of fleet counters, or with --json the "
+                                       "whole stats map (PROTOCOL.md 6.5). Exit 1 when no answer comes within "
+                                       "--timeout.")
     stats.add_argument("address", type=fleet_address,
                        help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555 or ipc:///path/to/socket.")
     stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")
@@ -200,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CurveZMQ keys (from `rollfleet keys`) when the fleet requires them.")
     stats.set_defaults(func=_cmd_stats, command_parser=stats)
 
-    keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.")
+    keys = sub.add_parser("keys", help="Create CurveZMQ keys for a fleet reachable from other hosts.",
+                          description="Create CurveZMQ keys for a fleet reachable from other hosts: the server's "
+                                      "key pair, one client key pair, and authorized/ holding that client's public "
+                                      "key (pass DIRECTORY to `rollfleet serve --keys-dir`).")
     keys.add_argument("directory", help="Where to write server.key(_secret), client.key(_secret) and authorized/: "
                                         "a directory of their own, created if missing and made private (mode 0700).")
     keys.add_argument("--force", action="store_true",

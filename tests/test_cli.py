@@ -184,6 +184,18 @@ def test_python_dash_m_rollfleet_is_the_command():
     assert out.returncode == 0 and "serve" in out.stdout
 
 
+@pytest.mark.parametrize("command, says", [
+    ("demo", "Run a demo: a fleet, a batch of rollouts"),
+    ("stats", "Print the stats of a running fleet"),
+    ("keys", "Create CurveZMQ keys for a fleet"),
+    ("serve", "serve its client-facing ZeroMQ ROUTER socket"),
+])
+def test_the_help_of_each_command_says_what_it_does(command, says):
+    out = run(command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert says in " ".join(out.stdout.split()), out.stdout  # not only its usage and options
+
+
 @pytest.mark.parametrize("args", [
     ("--store", "bogus"),
     ("--store", "127.0.0.1:1", "--engine-options", "{bad"),
