@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Messages that may wait for one client; a client that stops reading past "
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
     parser.add_argument("--max-client-message-bytes", type=at_least(1024), default=64 << 20, metavar="N",
-                        help="Largest message a client may send; a larger one is answered too_large "
-                             "(at least 1024; default 67108864, 64 MiB).")
+                        help="Largest message header (its first frame) a client may send; a larger one is "
+                             "answered too_large (at least 1024; default 67108864, 64 MiB).")
 
 
 def _seconds(text: str) -> float:
