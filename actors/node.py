@@ -204,14 +204,19 @@ class NodeAgent:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Join the fleet: read the router, publish this node's key, wait for admission
-        (each store read waits up to the store's timeout), spawn the workers."""
+        (each store read waits up to the store's timeout), spawn the workers. Returns without
+        joining when the agent is stopped meanwhile."""
         p = self.prefix
-        self._router = json.loads(self.store.get(f"{p}/router"))
+        router = self._get(f"{p}/router")
+        if router is None:
+            return
+        self._router = json.loads(router)
         self._keys = zmq.curve_keypair()
         index = self.store.add(f"{p}/nodes", 1) - 1
         self.store.set(f"{p}/node/{index}/name", self.node_id)
         self.store.set(f"{p}/node/{index}/public", self._keys[0].decode())
-        self.store.get(f"{p}/node/{index}/admitted")
+        if self._get(f"{p}/node/{index}/admitted") is None:
+            return
         self.private_dir = tempfile.mkdtemp(prefix="rollfleet-node-", dir=self.private_dir_root)
         os.chmod(self.private_dir, 0o700)
         with self._lock:
@@ -220,6 +225,21 @@ class NodeAgent:
         self._thread = threading.Thread(target=self._monitor, name="rollfleet-node-agent", daemon=True)
         self._thread.start()
         logger.info("node %s joined %s with %d workers", self.node_id, self._router["address"], self.num_workers)
+
+    def _get(self, key: str) -> bytes | None:
+        """``store.get(key)``, waiting for the key in short polls, so that a stop (``shutdown()``,
+        a signal to the command) ends the wait at once instead of after the store's timeout
+        (minutes, while the supervisor starts); None once stopped. The store's timeout still
+        bounds the wait."""
+        timeout = getattr(self.store, "timeout", None)
+        limit = timeout.total_seconds() if timeout is not None else 300.0
+        deadline = time.monotonic() + limit
+        while not self.store.check([key]):
+            if self._done.wait(0.1):
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"store key {key!r} not set within {limit:.0f}s")
+        return self.store.get(key)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the agent stops (fleet closed, store gone, the supervisor's beat standing
@@ -397,12 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollfleet node: {args.store}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)
         return 1
-    stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        # What the agent waits on: a signal also ends its wait for the router or for admission.
+        signal.signal(sig, lambda *_: agent._done.set())
     try:
         agent.start()
-        while not stop.is_set() and not agent.wait(0.2):
+        while not agent.wait(0.2):
             pass
     finally:
         agent.shutdown()

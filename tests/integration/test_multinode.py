@@ -289,3 +289,28 @@ def test_agent_stops_when_the_supervisor_is_killed_and_the_store_lives_on(tmp_pa
                 proc.kill()
                 proc.wait(10)
         del store
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.timeout(120)
+def test_agent_waiting_for_the_router_stops_at_once_on_a_signal(sig):
+    # No supervisor has published its router yet (it is still starting): the agent waits for
+    # it, up to its --timeout. A SIGTERM (a job manager) or Ctrl-C ends that wait at once.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                                       wait_for_workers=False)
+    agent = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.node", "--store", f"127.0.0.1:{store.port}",
+                              "--workers", "1", "--timeout", "300", "--log-level", "WARNING"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(c.raddr and c.raddr.port == store.port for c in psutil.Process(agent.pid).net_connections()):
+            assert time.monotonic() < deadline and agent.poll() is None, "the agent did not reach the store"
+            time.sleep(0.05)
+        time.sleep(0.5)  # its read of the router has begun
+        agent.send_signal(sig)
+        assert agent.wait(timeout=20) == 0, agent.stderr.read()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        del store
