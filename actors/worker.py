@@ -9,6 +9,7 @@ supervisor why), or on its own when the supervisor's process dies.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections.abc
 import contextvars
 import json
@@ -696,12 +697,31 @@ def main() -> None:
             signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
     worker = EngineWorker(config)
     try:
-        import uvloop
+        try:
+            import uvloop
 
-        code = uvloop.run(worker.run())
-    except ImportError:
-        code = asyncio.run(worker.run())
-    sys.exit(code)
+            code = uvloop.run(worker.run())
+        except ImportError:
+            code = asyncio.run(worker.run())
+    except SystemExit as exc:  # _on_sigterm's, once run() released what it holds
+        code = exc.code
+    _exit(code)
+
+
+def _exit(code: Any) -> None:
+    """End the process as a normal exit would, less Python's teardown of its modules: with torch
+    loaded that is seconds of C code in which the death-pipe thread can no longer run, so a
+    supervisor killed meanwhile (in its shutdown, waiting for this process to end) would leave
+    its private directory behind with no one to remove it."""
+    atexit._run_exitfuncs()  # logging's flush, multiprocessing's reaping of the engine's children, ...
+    unlink_shm(kmp_names([os.getpid()]))  # os._exit skips the OpenMP runtime's own unlink
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    _DEATH_LOCK.acquire()  # not in the midst of _on_parent_death's cleanup, which ends the process itself
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

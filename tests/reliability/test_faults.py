@@ -418,6 +418,58 @@ def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothin
             os.kill(pid, signal.SIGKILL)
 
 
+SHUTDOWN_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from rollfleet.actors import FleetConfig, Supervisor
+
+    async def main():
+        config = FleetConfig(engine="echo", num_workers=2, private_dir_root=sys.argv[1],
+                             worker_env={"PYTHONPATH": sys.argv[2]})
+        async with Supervisor(config) as sup:
+            print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
+            print("shutting down", flush=True)
+    asyncio.run(main())
+""")
+
+
+def test_supervisor_killed_while_its_workers_exit_at_its_shutdown_leaves_nothing_behind(tmp_path):
+    # The workers were told to stop and have let go of their engines; Python's teardown of
+    # their modules remains (seconds with torch loaded; here a finalizer that sleeps). The
+    # supervisor, waiting for them to end, is killed then (a job manager's SIGTERM to a
+    # trainer): its workers must still remove its private directory (logs, owner file).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import time
+        class SlowTeardown:
+            def __del__(self):
+                time.sleep(5)
+        held = SlowTeardown()
+    """))
+    root = tmp_path / "root"
+    root.mkdir()
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SCRIPT, str(root), path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        private_dir, pids = line[0], [int(p) for p in line[1:]]
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "shutting down"
+        time.sleep(1.0)  # the workers' engines are shut down by now
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
+            time.sleep(0.05)
+        assert_clean(private_dir, pids, creators=[proc.pid])
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 NO_WORKER_ALIVE_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
