@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any
 
+import psutil
 import zmq
 
 from ..engines import Engine, EngineDead, create_engine
@@ -653,6 +654,20 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
     os._exit(1)
 
 
+def _parent_dying(parent: int) -> bool:
+    """Whether the supervisor's process is gone, or going: its main thread has ended (which is
+    when the kernel wakes a stopped worker) while its other threads, and so its end of the death
+    pipe, are not gone yet."""
+    if os.getppid() != parent:
+        return True
+    try:
+        return psutil.Process(parent).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
 def _unlink_segments_of(pid: int) -> None:
     """Unlink the weight-update segments a dead process created (``weights.shm`` names them
     ``rf-<pid>-...``): it can no longer, and they hold memory until unlinked."""
@@ -705,10 +720,10 @@ def main() -> None:
             code = asyncio.run(worker.run())
     except SystemExit as exc:  # _on_sigterm's, once run() released what it holds
         code = exc.code
-    _exit(code)
+    _exit(code, config)
 
 
-def _exit(code: Any) -> None:
+def _exit(code: Any, config: dict[str, Any]) -> None:
     """End the process as a normal exit would, less Python's teardown of its modules: with torch
     loaded that is seconds of C code in which the death-pipe thread can no longer run, so a
     supervisor killed meanwhile (in its shutdown, waiting for this process to end) would leave
@@ -720,6 +735,10 @@ def _exit(code: Any) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if _parent_dying(int(config.get("parent_pid", os.getppid()))):
+        # The supervisor dies as this process ends (this one was stopped, say, and its death woke
+        # it up with a shutdown message waiting): the death pipe may not have said so yet.
+        _on_parent_death(config, "supervisor dying")
     _DEATH_LOCK.acquire()  # not in the midst of _on_parent_death's cleanup, which ends the process itself
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 

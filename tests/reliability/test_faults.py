@@ -20,6 +20,7 @@ from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.errors import EngineFailed, FleetError, RolloutError, WeightUpdateError, WorkerStartError
 from rollfleet.transport.messages import SamplingParams
 
+from ..helpers import wait_until
 from .helpers import alive, assert_clean, expected_tokens, fleet, segments_of, wait_for, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -420,6 +421,7 @@ def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothin
 
 SHUTDOWN_SCRIPT = textwrap.dedent("""
     import asyncio, sys
+    import torch  # a trainer's: its threads make this process's end take a moment
     from rollfleet.actors import FleetConfig, Supervisor
 
     async def main():
@@ -468,6 +470,34 @@ def test_supervisor_killed_while_its_workers_exit_at_its_shutdown_leaves_nothing
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_supervisor_killed_in_its_shutdown_with_a_worker_stopped_leaves_nothing_behind(tmp_path):
+    # A worker is stopped when the fleet shuts down: its shutdown message waits for it. The
+    # supervisor is killed then; its death wakes the worker, which finds that message and
+    # exits while the supervisor's process is still ending (its death pipe not closed yet). It
+    # must still clean up after it.
+    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SCRIPT, str(tmp_path), os.environ.get("PYTHONPATH", "")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        private_dir, pids = line[0], [int(p) for p in line[1:]]
+        os.kill(pids[0], signal.SIGSTOP)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "shutting down"
+        assert wait_until(lambda: not alive(pids[1:]), 10.0)  # the other worker has ended
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
+            time.sleep(0.05)
+        assert_clean(private_dir, pids, creators=[proc.pid])
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for pid in alive(pids if "pids" in locals() else []):
+            os.kill(pid, signal.SIGKILL)
 
 
 NO_WORKER_ALIVE_SCRIPT = textwrap.dedent("""
