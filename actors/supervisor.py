@@ -845,9 +845,9 @@ class Supervisor:
         if not handle.alive:
             return
         handle.state = WorkerState.READY
+        # Available even while a weight update holds dispatching (_paused does that): nothing
+        # would make it available again afterwards.
         self.router.add_worker(handle.worker_id)
-        if self._paused:
-            self.router.set_available(handle.worker_id, False)
         if not handle.registered.done():
             handle.registered.set_result(None)
         self._pump()

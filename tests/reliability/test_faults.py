@@ -154,6 +154,35 @@ async def test_worker_killed_during_startup_of_its_restart_is_restarted_again():
     assert_clean(sup.private_dir, pids)
 
 
+async def test_a_worker_that_registers_during_a_weight_update_serves_after_it():
+    # One step of 100 tokens at 1 token/s: the request on w0 takes its abort only after 100 s,
+    # so the update's drain lasts until w0 is killed, while w1's restart registers.
+    sup = fleet(2, engine_options={"tokens_per_s": 1, "step_tokens": 100}, deterministic_routing=True)
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        first = sup.slots[1]
+        os.kill(first.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[1] is not first, 10)
+        held = asyncio.create_task(client.generate("held", [1], SamplingParams(max_tokens=100), resume=False))
+        assert await wait_for(lambda: sup.slots[0].worker_id in {e.worker_id for e in sup.table}, 10)
+        update = asyncio.create_task(client.update_weights([("offset", torch.tensor([0]))], version=1))
+        assert await wait_for(lambda: sup.slots[1].state.value == "ready", 20)
+        assert not update.done()  # it registered while the update held dispatching
+        pids |= worker_pids(sup)
+        os.kill(sup.slots[0].pid, signal.SIGKILL)  # ends the drain
+        assert (await asyncio.wait_for(update, 30)).ok
+        assert (await held).finish_reason == "abort"  # interrupted, not to be resumed
+        late = asyncio.create_task(client.generate("late", [2], SamplingParams(max_tokens=100)))
+        # The restarted w1 takes it (w0's own restart may not even be up yet).
+        assert await wait_for(lambda: sup.slots[1].worker_id in {e.worker_id for e in sup.table}, 10)
+        late.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
 async def test_with_no_worker_left_to_restart_waiting_requests_fail_and_new_ones_are_refused():
     from rollfleet.actors import RemoteClient
 
