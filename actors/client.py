@@ -640,9 +640,19 @@ class RemoteClient(_Base):
         return None
 
     async def _submit_after_hello(self, hello, *args):  # type: ignore[no-untyped-def]
-        # shielded: one caller giving up does not stop the hello that the others wait for
-        await asyncio.shield(hello)
+        await self._after_hello(hello)
         self._start(*args)
+
+    async def _after_hello(self, hello: asyncio.Task[None]) -> None:
+        """Wait for the hello; FleetClosed when close() stopped it (its cancellation is not the
+        caller's: a CancelledError would read as the caller's task being cancelled)."""
+        try:
+            # shielded: one caller giving up does not stop the hello that the others wait for
+            await asyncio.shield(hello)
+        except asyncio.CancelledError:
+            if self._closed and hello.cancelled():
+                raise FleetClosed("client closed") from None
+            raise
 
     def _start(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
         if request_id in self._sinks:
@@ -680,7 +690,7 @@ class RemoteClient(_Base):
         if type(msg) is not Hello and hello is not None and not hello.done():
             # After the requests that wait for it: an abort must not overtake its request.
             with contextlib.suppress(Exception):
-                await asyncio.shield(hello)
+                await self._after_hello(hello)
         encoded = codec.encode(msg)
         self._check_size(msg.TYPE.value, encoded)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()

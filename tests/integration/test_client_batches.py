@@ -311,6 +311,20 @@ async def test_closing_a_remote_client_ends_its_waiting_calls_with_fleet_closed(
             assert sup.abort(entry.origin, entry.request_id)
 
 
+async def test_closing_a_remote_client_before_its_hello_is_answered_ends_its_calls_with_fleet_closed():
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 0})) as sup:
+        client = RemoteClient(sup.frontend_address)
+        first = asyncio.create_task(client.generate("first", [1], SamplingParams(max_tokens=1)))
+        aborting = asyncio.create_task(client.abort("first"))
+        await asyncio.sleep(0)  # both wait for the hello the first one sent
+        await client.close()
+        # Not CancelledError: nobody cancelled these callers' tasks.
+        for task in (first, aborting):
+            with pytest.raises(FleetClosed):
+                await asyncio.wait_for(task, 5)
+            assert not task.cancelled()
+
+
 async def test_remote_calls_in_flight_end_with_fleet_closed_when_the_fleet_is_killed(tmp_path):
     # A SIGKILLed fleet sends no error: the client hears the disconnect and ends what waits on
     # it (it waited for request_timeout_s, an hour by default).
