@@ -487,6 +487,10 @@ class RemoteClient(_Base):
         self._monitor: LoopSocket | None = None  # the socket's disconnect events, made with _lsock
         self._up = False  # a connection to the fleet is up (its handshake succeeded)
         self._sinks: dict[str, Any] = {}
+        # Requests given up on (timeout, cancellation) whose terminal answer has not come yet:
+        # their ids stay taken until it does, or what is still on its way for one would be
+        # taken for the answers of a new request under the same id.
+        self._given_up: set[str] = set()
         self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._hello: asyncio.Task[None] | None = None
@@ -519,6 +523,7 @@ class RemoteClient(_Base):
         else:
             self._sock.close(linger=0)
         sinks, self._sinks = self._sinks, {}
+        self._given_up.clear()
         for request_id, sink in sinks.items():
             sink(Error(id=request_id, code=FleetClosed.code, message="client closed", request_id=request_id))
         calls, self._calls = self._calls, {}
@@ -551,6 +556,7 @@ class RemoteClient(_Base):
         message = f"lost the connection to the fleet at {self.address}: its answer can no longer come"
         self._hello, self._batch = None, False  # a fleet there later may be a new one: hello again
         sinks, self._sinks = self._sinks, {}
+        self._given_up.clear()  # a new connection: the fleet answers nothing more of the old one
         for request_id, sink in sinks.items():
             sink(Error(id=request_id, code=FleetClosed.code, message=message, request_id=request_id))
         calls, self._calls = self._calls, {}
@@ -588,6 +594,8 @@ class RemoteClient(_Base):
             sink(msg)
             if isinstance(msg, (Result, Error)):
                 self._sinks.pop(msg.id, None)
+        elif isinstance(msg, (Result, Error)) and msg.id in self._given_up:
+            self._given_up.discard(msg.id)  # the end of a request given up on: its id is free again
         elif isinstance(msg, Error) and not msg.id:
             # About a frame of this client's that the fleet could not read: which one, it cannot
             # say. Calls check their size against the fleet's limit before they go, so this is
@@ -655,7 +663,7 @@ class RemoteClient(_Base):
             raise
 
     def _start(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
-        if request_id in self._sinks:
+        if request_id in self._sinks or request_id in self._given_up:
             raise DuplicateRequest(f"request {request_id!r} is already in flight", request_id=request_id)
         try:
             # = Generate(id=request_id, prompt_ids=..., sampling=params, stream=..., session_id=..., resume=...)
@@ -680,6 +688,7 @@ class RemoteClient(_Base):
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None and not self._closed:
+            self._given_up.add(request_id)
             # fire and forget: the request is gone for this caller either way
             with contextlib.suppress(FleetClosed):
                 self._post(codec.encode(Abort(id=f"cancel-{next(self._ids)}", request_id=request_id)))

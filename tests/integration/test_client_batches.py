@@ -11,16 +11,17 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
-from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
+from rollfleet.actors import FleetConfig, RemoteClient, Supervisor, SyncClient
 from rollfleet.actors import supervisor as supervisor_module
 from rollfleet.engines.echo import echo_tokens
-from rollfleet.errors import FleetClosed
+from rollfleet.errors import DuplicateRequest, FleetClosed, RequestTimeout
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Generate, Hello, SamplingParams
 
@@ -323,6 +324,29 @@ async def test_closing_a_remote_client_before_its_hello_is_answered_ends_its_cal
             with pytest.raises(FleetClosed):
                 await asyncio.wait_for(task, 5)
             assert not task.cancelled()
+
+
+async def test_a_remote_request_given_up_on_keeps_its_id_until_its_answer_is_in():
+    # Its answers still come after the abort: a new request under the same id took them for its
+    # own (here the result the fleet sent before it read the abort, still unread when the new
+    # request went out).
+    class Slow(RemoteClient):
+        def on_cancel(self, request_id: str) -> None:
+            time.sleep(1.0)  # this loop is held: the request ends on the fleet, its answer unread
+
+    # The fleet runs on a loop of its own, which goes on meanwhile.
+    with SyncClient(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 20})) as fleet:
+        async with Slow(fleet.frontend_address) as client:
+            await client.generate("warm", [1], SamplingParams(max_tokens=1))  # hello done
+            with pytest.raises(RequestTimeout):
+                await client.generate("x", [1], SamplingParams(max_tokens=2), timeout=0.02)
+            with pytest.raises(DuplicateRequest):
+                await client.generate("x", [7], SamplingParams(max_tokens=3))
+            # Once the answer of the one given up on is in, the id is free again.
+            assert await wait_for(lambda: fleet.stats()["num_inflight"] == 0, 10)
+            await asyncio.sleep(0.1)
+            result = await client.generate("x", [7], SamplingParams(max_tokens=3))
+            assert result.token_ids == echo_tokens([7], 3) and result.finish_reason == "length"
 
 
 async def test_remote_calls_in_flight_end_with_fleet_closed_when_the_fleet_is_killed(tmp_path):
