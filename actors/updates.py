@@ -220,6 +220,12 @@ class WeightSync:
                     logger.error("weight update to version %d failed: %s", version, exc)
                     await self._repair(links, sent if lora is None else set())
                     raise
+                except asyncio.CancelledError:
+                    # The caller gave up on it (a timeout, say): the sender abandoned it on the
+                    # workers, which may hold part of it, as after a failure.
+                    logger.warning("weight update to version %d was cancelled", version)
+                    await self._repair(links, sent if lora is None else set())
+                    raise
                 for h in links:
                     h.weight_version = version
                 sup.weight_version = version

@@ -279,6 +279,30 @@ async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_ve
             assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
 
 
+async def test_a_cancelled_update_is_rolled_back_like_a_failed_one():
+    # A caller that gives up on an update (a timeout, a cancelled task) left the workers with the
+    # part of it they had loaded, served under the old version.
+    async with fleet(2, tokens_per_s=0) as sup:
+        client = sup.client()
+        await client.update_weights(offset(0), version=1)
+
+        def new_offsets():
+            for i in range(8):  # one bucket each
+                if i == 6:  # buckets 0 to 2 are loaded by now: each buffer is refilled once loaded
+                    update.cancel()
+                yield "offset", torch.tensor([9])
+
+        update = asyncio.create_task(client.update_weights(new_offsets(), version=2, bucket_bytes=64))
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        assert sup.weight_version == 1
+        workers = (await sup.stats())["workers"]
+        assert [(w["weight_version"], w["restarts"]) for w in workers] == [(1, 0), (1, 0)]
+        for i in range(4):
+            r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
+            assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+
+
 async def test_a_failed_update_that_reached_a_tensor_no_update_sent_before_restarts_the_worker():
     async with fleet(1, tokens_per_s=0) as sup:
         client = sup.client()
