@@ -132,6 +132,11 @@ class SyncClient:
                     from ..errors import RequestTimeout
 
                     raise RequestTimeout(f"no answer within {timeout}s") from None
+            except BaseException:
+                # Given up while it ran (a KeyboardInterrupt, say): what it runs on the loop is
+                # stopped too, as at a timeout, not left to go on unseen (a no-op once it is done).
+                fut.cancel()
+                raise
 
     def __enter__(self) -> "SyncClient":
         return self

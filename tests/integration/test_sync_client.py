@@ -79,6 +79,30 @@ def test_abort_all_from_another_thread_ends_a_blocked_batch_with_partial_output(
             assert r.token_ids == expected_tokens(prompt, len(r.token_ids))
 
 
+def test_a_batch_interrupted_by_ctrl_c_leaves_none_of_its_requests_running():
+    # A KeyboardInterrupt in the waiting thread (Ctrl-C in a notebook, say) left the whole
+    # batch generating on the fleet, unseen, as the fleet lives on.
+    script = textwrap.dedent("""
+        import os, signal, threading, time
+        from rollfleet.actors import SyncClient, FleetConfig
+        from rollfleet.transport.messages import SamplingParams
+
+        with SyncClient(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 50})) as fleet:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                fleet.generate_batch([[i + 1] for i in range(8)], SamplingParams(max_tokens=1000))  # 20 s
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+            deadline = time.monotonic() + 10
+            while fleet.stats()["num_inflight"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print(fleet.stats()["num_inflight"], flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["interrupted", "0"], out.stdout + out.stderr
+
+
 def test_fleet_is_shut_down_at_interpreter_exit():
     script = textwrap.dedent("""
         from rollfleet.actors import SyncClient, FleetConfig
