@@ -1141,7 +1141,8 @@ class Supervisor:
 
         Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops
         (code unknown_op) and bad args (bad_field: sleep's level 1 or 2, start_profile's
-        trace_dir), WorkerLost / RequestTimeout from a worker.
+        trace_dir), WorkerLost / RequestTimeout from a worker (WorkerLost from one that died
+        during the call only once the others took the op: the fleet's state follows it).
         """
         self._check_open()
         if op not in CONTROL_OPS:
@@ -1163,7 +1164,13 @@ class Supervisor:
             return_exceptions=True,
         )
         out: dict[str, Any] = {}
+        lost: WorkerLost | None = None
         for h, res in zip(handles, results):
+            if isinstance(res, WorkerLost) and not h.alive:
+                # It died during the call: the others took the op, and its replacement is given
+                # the fleet's state before it serves, so that state follows the op all the same.
+                lost = lost or res
+                continue
             if isinstance(res, BaseException):
                 self._sleep_level, self._engines_paused = held
                 if isinstance(res, Unsupported):
@@ -1174,6 +1181,8 @@ class Supervisor:
             self._sleep_level = 0
         elif op == "resume":
             self._engines_paused = False
+        if lost is not None:
+            raise lost
         return out
 
     async def update_weights(self, named_tensors: Any, version: int, *, transport: str | None = None,
