@@ -1232,7 +1232,12 @@ class Supervisor:
     async def _enter_training(self, level: int) -> None:
         async with self._training_lock:
             if self._training_depth == 0:
-                await self.control("sleep", {"level": level})
+                try:
+                    await self.control("sleep", {"level": level})
+                except WorkerLost:
+                    # The others went to sleep, and the block does not open: nothing would wake them.
+                    await self.control("wake_up")
+                    raise
             self._training_depth += 1
 
     async def _exit_training(self) -> None:

@@ -167,3 +167,24 @@ async def test_a_worker_that_dies_as_the_training_block_wakes_the_fleet_leaves_i
         stats = await sup.stats()
         assert stats["sleep_level"] == 0
         assert [w["engine_stats"]["sleeping"] for w in stats["workers"]] == [False, False]
+
+
+async def test_a_worker_that_dies_as_the_training_block_opens_leaves_the_fleet_awake():
+    import os
+    import signal
+
+    from rollfleet.errors import WorkerLost
+
+    from ..helpers import wait_for
+
+    # The sleep failed on the dead worker only: the block did not open, so nothing woke the others.
+    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
+        victim = sup.slots[1]
+        os.kill(victim.pid, signal.SIGKILL)  # dead before it can answer the sleep
+        with pytest.raises(WorkerLost):
+            async with sup.training():
+                pass
+        assert await wait_for(lambda: sup.slots[1] is not victim and sup.slots[1].state.value == "ready", 15)
+        stats = await sup.stats()
+        assert stats["sleep_level"] == 0
+        assert [w["engine_stats"]["sleeping"] for w in stats["workers"]] == [False, False]
