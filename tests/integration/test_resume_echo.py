@@ -260,6 +260,16 @@ async def test_update_takes_a_state_dict_and_says_what_is_wrong_with_bad_pairs()
         assert sup.weight_version == 2
 
 
+async def assert_back_on_version_1(sup, client):
+    """Both workers on version 1 again (its weights: offset 0), neither restarted."""
+    assert sup.weight_version == 1
+    workers = (await sup.stats())["workers"]
+    assert [(w["weight_version"], w["restarts"]) for w in workers] == [(1, 0), (1, 0)]
+    for i in range(4):
+        r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
+        assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+
+
 async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_version():
     async with fleet(2, tokens_per_s=0) as sup:
         client = sup.client()
@@ -271,12 +281,7 @@ async def test_a_partly_applied_failed_update_is_rolled_back_to_the_last_good_ve
             await client.update_weights(bad, version=2, bucket_bytes=64)
         # The workers briefly held offset 9 under version 1; the fleet put version 1 back
         # from its kept copy, without restarting them.
-        assert sup.weight_version == 1
-        workers = (await sup.stats())["workers"]
-        assert [(w["weight_version"], w["restarts"]) for w in workers] == [(1, 0), (1, 0)]
-        for i in range(4):
-            r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
-            assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+        await assert_back_on_version_1(sup, client)
 
 
 async def test_a_cancelled_update_is_rolled_back_like_a_failed_one():
@@ -295,12 +300,7 @@ async def test_a_cancelled_update_is_rolled_back_like_a_failed_one():
         update = asyncio.create_task(client.update_weights(new_offsets(), version=2, bucket_bytes=64))
         with pytest.raises(asyncio.CancelledError):
             await update
-        assert sup.weight_version == 1
-        workers = (await sup.stats())["workers"]
-        assert [(w["weight_version"], w["restarts"]) for w in workers] == [(1, 0), (1, 0)]
-        for i in range(4):
-            r = await client.generate(f"r{i}", [4], SamplingParams(max_tokens=5))
-            assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [1]
+        await assert_back_on_version_1(sup, client)
 
 
 async def test_a_failed_update_that_reached_a_tensor_no_update_sent_before_restarts_the_worker():

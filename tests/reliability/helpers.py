@@ -48,13 +48,16 @@ def alive(pids):
     return out
 
 
-def assert_clean(private_dir, pids, creators=()):
+def assert_clean(private_dir, pids, creators=(), within=5.0):
     """No process of ``pids`` alive, the private directory (socket files) gone, and no
-    shared-memory segment of this process, ``pids`` or ``creators`` left."""
-    deadline = time.monotonic() + 5.0
-    while alive(pids) and time.monotonic() < deadline:
+    shared-memory segment of this process, ``pids`` or ``creators`` left, once ``within``
+    seconds have passed at most (those who clean up may still be at it)."""
+    owners = {os.getpid(), *pids, *creators}
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and (alive(pids) or segments_of(owners)
+                                           or (private_dir is not None and os.path.exists(private_dir))):
         time.sleep(0.05)
     assert not alive(pids), f"orphan processes: {alive(pids)}"
     assert private_dir is None or not os.path.exists(private_dir), f"left behind: {os.listdir(private_dir)}"
-    leaked = segments_of({os.getpid(), *pids, *creators})
+    leaked = segments_of(owners)
     assert not leaked, f"leaked shared-memory segments: {leaked}"

@@ -403,10 +403,7 @@ def test_supervisor_sigkill_mid_stream_and_mid_update_leaves_nothing_behind():
         time.sleep(0.05)
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
-            time.sleep(0.05)
-        assert_clean(private_dir, pids, creators=[proc.pid])
+        assert_clean(private_dir, pids, creators=[proc.pid], within=3.0)
     finally:
         proc.kill()
         proc.wait()
@@ -437,10 +434,7 @@ def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothin
         else:
             os.killpg(proc.pid, signal.SIGTERM)
         proc.wait()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir) or segments_of([proc.pid])):
-            time.sleep(0.05)
-        assert_clean(private_dir, pids, creators=[proc.pid])
+        assert_clean(private_dir, pids, creators=[proc.pid], within=5.0)
     finally:
         proc.kill()
         proc.wait()
@@ -492,10 +486,7 @@ def test_supervisor_killed_while_its_workers_exit_at_its_shutdown_leaves_nothing
         time.sleep(1.0)  # the workers' engines are shut down by now
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
-        deadline = time.monotonic() + 15.0
-        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
-            time.sleep(0.05)
-        assert_clean(private_dir, pids, creators=[proc.pid])
+        assert_clean(private_dir, pids, creators=[proc.pid], within=15.0)
     finally:
         proc.kill()
         proc.wait(10)
@@ -518,10 +509,7 @@ def test_supervisor_killed_in_its_shutdown_with_a_worker_stopped_leaves_nothing_
         assert wait_until(lambda: not alive(pids[1:]), 10.0)  # the other worker has ended
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and (alive(pids) or os.path.exists(private_dir)):
-            time.sleep(0.05)
-        assert_clean(private_dir, pids, creators=[proc.pid])
+        assert_clean(private_dir, pids, creators=[proc.pid], within=10.0)
     finally:
         proc.kill()
         proc.wait(10)
