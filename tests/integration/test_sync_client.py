@@ -87,6 +87,8 @@ def test_a_batch_interrupted_by_ctrl_c_leaves_none_of_its_requests_running():
         from rollfleet.actors import SyncClient, FleetConfig
         from rollfleet.transport.messages import SamplingParams
 
+        # Ctrl-C as in a terminal: a runner started in the background passes SIGINT on ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with SyncClient(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 50})) as fleet:
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
             try:
