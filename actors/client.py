@@ -232,6 +232,17 @@ class _Base:
             return []
         if timeout is None:
             timeout = self.default_timeout_s
+        try:
+            ready = self._ready()
+            if ready is not None:
+                await ready
+        except RolloutError as exc:
+            # What every request waits for failed (RemoteClient's hello, or its client closed):
+            # each prompt fails with it, as concurrent generate calls do, instead of each one
+            # trying it again.
+            if not return_exceptions:
+                raise
+            return [exc] * len(prompts)
         # One future for the whole batch, not a task per request: each request's sink files its
         # answer in its slot, and the last one (or, without return_exceptions, the first
         # failure) wakes this call up.
@@ -365,6 +376,11 @@ class _Base:
                 self._cancel(request_id)
 
     # ---- transport-specific
+    def _ready(self) -> Awaitable[None] | None:
+        """What a request waits for before it can go (RemoteClient: its hello), or None when
+        nothing: raises what would refuse every request."""
+        return None
+
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Any,
                 stream: bool, session_id: str | None, resume: bool | None) -> Awaitable[None] | None:
         """Hand the request over; an awaitable when that takes I/O, else None (no coroutine
@@ -636,19 +652,23 @@ class RemoteClient(_Base):
             raise RuntimeError("this RemoteClient belongs to the event loop it was first used on; "
                                "make one client per event loop (or thread)")
 
-    def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+    def _ready(self) -> Awaitable[None] | None:
         self._on_own_loop()
         hello = self._hello
         if hello is None or (hello.done() and (hello.cancelled() or hello.exception() is not None)):
             # once; again only after a failure
             hello = self._hello = asyncio.ensure_future(self._say_hello())
-        if not hello.done():
-            return self._submit_after_hello(hello, request_id, prompt_ids, params, sink, stream, session_id, resume)
+        return None if hello.done() else self._after_hello(hello)
+
+    def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+        ready = self._ready()
+        if ready is not None:
+            return self._submit_after_hello(ready, request_id, prompt_ids, params, sink, stream, session_id, resume)
         self._start(request_id, prompt_ids, params, sink, stream, session_id, resume)
         return None
 
-    async def _submit_after_hello(self, hello, *args):  # type: ignore[no-untyped-def]
-        await self._after_hello(hello)
+    async def _submit_after_hello(self, ready, *args):  # type: ignore[no-untyped-def]
+        await ready
         self._start(*args)
 
     async def _after_hello(self, hello: asyncio.Task[None]) -> None:

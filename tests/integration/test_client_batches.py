@@ -429,3 +429,28 @@ async def test_an_abort_made_while_the_first_hello_is_on_its_way_does_not_overta
             assert await asyncio.wait_for(remote.abort("r1"), 5) is True
             result = await asyncio.wait_for(task, 5)
             assert result.finish_reason == "abort"
+
+
+async def test_a_remote_batch_whose_hello_fails_tries_it_once_and_each_prompt_fails_with_it():
+    # A fleet that never answers the hello: concurrent generate calls share the one hello and
+    # its failure; a batch with return_exceptions tried a new one for each prompt in turn (40
+    # prompts: 40 call timeouts, a batch of 10k against a dead address hung for days).
+    ctx = zmq.asyncio.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with RemoteClient(f"tcp://127.0.0.1:{port}", call_timeout_s=0.5) as client:
+            kept = await asyncio.wait_for(client.generate_batch([[i + 1] for i in range(40)], return_exceptions=True),
+                                          15)
+            assert len(kept) == 40 and all(isinstance(k, RequestTimeout) for k in kept)
+            with pytest.raises(RequestTimeout, match="hello"):
+                await asyncio.wait_for(client.generate_batch([[1], [2]]), 15)
+        hellos = []
+        while await silent.poll(200):
+            frames = await silent.recv_multipart()
+            hellos.append(msgpack.unpackb(frames[1], raw=False)["type"])
+        assert hellos == ["hello", "hello"]  # one for each batch, and nothing else was sent
+    finally:
+        silent.close(0)
+        ctx.term()
