@@ -255,7 +255,7 @@ class _Base:
             nonlocal left, first_failure
             answers[i] = answer
             left -= 1
-            if not isinstance(answer, Result) and first_failure is None:
+            if not isinstance(answer, GenerationResult) and first_failure is None:
                 first_failure = i
             if not woken.done() and (not left or (first_failure is not None and not return_exceptions)):
                 woken.set_result(None)
@@ -268,7 +268,20 @@ class _Base:
                     break
 
                 def sink(msg: Message, i: int = i) -> None:
-                    if answers[i] is None and isinstance(msg, (Result, Error)):
+                    if answers[i] is not None:
+                        return
+                    if isinstance(msg, Result):
+                        # Its hook is called as it comes, as generate calls it (an abort policy
+                        # built on it stops the rest of the batch); a failure of the hook is the
+                        # slot's, as it is generate's.
+                        result = GenerationResult.from_message(msg, copy=False)
+                        try:
+                            self.on_complete(result)
+                        except Exception as exc:
+                            answered(i, exc)
+                        else:
+                            answered(i, result)
+                    elif isinstance(msg, Error):
                         answered(i, msg)
 
                 try:
@@ -295,10 +308,7 @@ class _Base:
                     self._cancel(request_ids[i])
         results: list[Any] = []
         for i, answer in enumerate(answers):
-            if type(answer) is Result:
-                answer = GenerationResult.from_message(answer, copy=False)
-                self.on_complete(answer)
-            elif type(answer) is Error:
+            if type(answer) is Error:
                 answer = from_code(answer.code, answer.message, request_ids[i])
             elif answer is _GIVEN_UP and timed_out:
                 answer = RequestTimeout(f"request {request_ids[i]!r} timed out after {timeout}s",

@@ -628,7 +628,7 @@ async def test_generate_batch_sends_nothing_after_a_refused_prompt_and_calls_eac
                                                    return_exceptions=True)
                 assert isinstance(kept[2], InvalidRequest)
                 assert [r.request_id for i, r in enumerate(kept) if i != 2] == ["e", "f", "h"]
-                assert client.completed == ["e", "f", "h"]
+                assert sorted(client.completed) == ["e", "f", "h"]  # as they came
                 assert client.dispatched == (ids if client is remote else ["e", "f", "h"])
                 assert client.cancelled == []
                 # a timeout: every request not finished is stopped, and each slot says so
@@ -641,6 +641,45 @@ async def test_generate_batch_sends_nothing_after_a_refused_prompt_and_calls_eac
                 assert client.completed == ["t1"] and client.cancelled == ["t2"]
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
 
+
+
+class _EnoughSamples(_Hooks):
+    """An abort policy on the hooks: once two results are in, what is left of the batch stops;
+    a result from prompt [13] makes the hook fail."""
+
+    def on_complete(self, result):
+        super().on_complete(result)
+        if len(self.completed) == 2:
+            asyncio.get_running_loop().create_task(self.abort_all())
+        if result.token_ids[:1] == expected_tokens([13], 1):
+            raise ValueError("hook failed")
+
+
+class _LocalEnough(_EnoughSamples, LLMClient):
+    pass
+
+
+class _RemoteEnough(_EnoughSamples, RemoteClient):
+    pass
+
+
+async def test_generate_batch_calls_on_complete_as_each_result_comes_as_generate_does():
+    # It was called for the whole batch once the last request was over: a policy built on it
+    # (README: abort the rest of a step once it has enough samples) never stopped anything.
+    async with fleet(2, engine_options={"tokens_per_s": 100}) as sup:
+        async with _RemoteEnough(sup.frontend_address) as remote:
+            for client in (_LocalEnough(sup), remote):
+                params = [SamplingParams(max_tokens=2)] * 2 + [SamplingParams(max_tokens=1000)] * 4
+                results = await client.generate_batch([[i + 1] for i in range(6)], params)
+                assert [r.finish_reason for r in results] == ["length"] * 2 + ["abort"] * 4
+                assert all(len(r.token_ids) < 1000 for r in results[2:])
+                assert sorted(client.completed) == sorted(r.request_id for r in results)
+                assert client.cancelled == []
+                # a hook that fails fails its request, as it does generate
+                client.completed.clear()
+                kept = await client.generate_batch([[12], [13]], SamplingParams(max_tokens=2), return_exceptions=True)
+                assert kept[0].token_ids == expected_tokens([12], 2) and isinstance(kept[1], ValueError)
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)
 
 async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeout():
     with socket_module.socket() as s:  # a port nothing listens on
