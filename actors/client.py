@@ -100,6 +100,11 @@ def _prompt(prompt_ids: Any) -> list[int]:
                              code="bad_field") from None
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _check_id(request_id: Any) -> None:
     if type(request_id) is not str or not request_id:
         raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}", code="bad_field")
@@ -668,6 +673,9 @@ class RemoteClient(_Base):
         if hello is None or (hello.done() and (hello.cancelled() or hello.exception() is not None)):
             # once; again only after a failure
             hello = self._hello = asyncio.ensure_future(self._say_hello())
+            # Its failure is raised in the calls that wait for it; with none left (all cancelled)
+            # it is no error of its own to log as never retrieved.
+            hello.add_done_callback(_retrieve)
         return None if hello.done() else self._after_hello(hello)
 
     def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]

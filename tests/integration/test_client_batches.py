@@ -6,6 +6,7 @@ PROTOCOL.md, and RemoteClient."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import subprocess
@@ -451,6 +452,33 @@ async def test_a_remote_batch_whose_hello_fails_tries_it_once_and_each_prompt_fa
             frames = await silent.recv_multipart()
             hellos.append(msgpack.unpackb(frames[1], raw=False)["type"])
         assert hellos == ["hello", "hello"]  # one for each batch, and nothing else was sent
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+async def test_a_remote_batch_cancelled_before_its_hello_failed_leaves_no_task_exception_unretrieved(caplog):
+    # The hello failed after its only caller had gone: "Task exception was never retrieved"
+    # was logged when the client was collected.
+    ctx = zmq.asyncio.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for call in ("generate_batch", "generate"):
+            client = RemoteClient(f"tcp://127.0.0.1:{port}", call_timeout_s=0.2)
+            task = asyncio.create_task(client.generate_batch([[1], [2]]) if call == "generate_batch"
+                                       else client.generate("g", [1]))
+            assert await wait_for(lambda: client._hello is not None, 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            hello = client._hello
+            assert await wait_for(hello.done, 5) and not hello.cancelled()  # it failed (nobody asks it why)
+            await client.close()
+            del client, task, hello
+            gc.collect()
+        assert "never retrieved" not in caplog.text
     finally:
         silent.close(0)
         ctx.term()
