@@ -364,6 +364,8 @@ class WeightSender:
                 task.cancel()
             for ch in channels:
                 ch.close()
+            if isinstance(exc, GeneratorExit):  # closed unfinished (its loop is gone): nothing can be awaited
+                raise
             if begun:
                 failed = exc.worker_id if isinstance(exc, _LinkFailed) else None
                 await self._abort(uid, version, links, failed)

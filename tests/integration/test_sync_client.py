@@ -16,7 +16,10 @@ from rollfleet.transport.messages import SamplingParams
 
 from .test_fleet_echo import expected_tokens
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
+# filterwarnings: a coroutine collected unfinished must close quietly (one that awaited in its
+# cleanup was reported as "coroutine ignored GeneratorExit").
+pytestmark = [pytest.mark.usefixtures("no_leaks"),
+              pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")]
 
 
 def test_generate_batch_update_and_controls_from_plain_code():
