@@ -215,6 +215,9 @@ class _Base:
         if request_ids is None:
             batch = next(_batch_ids)
             request_ids = [f"batch-{_BATCH_PREFIX}{batch}-{i}" for i in range(len(prompts))]
+        elif isinstance(request_ids, str):  # one id per prompt, not a str's characters
+            raise InvalidRequest(f"generate_batch: request_ids must be a list of str, not one str {request_ids!r}",
+                                 code="bad_field")
         else:
             request_ids = list(request_ids)
         if len(request_ids) != len(prompts):

@@ -556,6 +556,7 @@ async def test_generate_batch_of_both_clients_keeps_prompt_order_and_checks_befo
                     ((prompts[:2],), {"request_ids": ["a"]}, InvalidRequest),
                     ((prompts[:2],), {"request_ids": ["a", "a"]}, DuplicateRequest),
                     ((prompts[:2],), {"request_ids": ["a", ""]}, InvalidRequest),
+                    ((prompts[:2],), {"request_ids": "ab"}, InvalidRequest),  # not the ids "a" and "b"
                     (([[1], "text"],), {}, InvalidRequest),
                     ((prompts[:2], {"max_new_tokens": 3}), {}, InvalidRequest),
                     (([1, 2, 3],), {}, InvalidRequest),  # one prompt given flat, not a list of prompts
