@@ -600,18 +600,15 @@ class _Hooks:
         self.cancelled.append(request_id)
 
 
-class _LocalHooks(_Hooks, LLMClient):
-    pass
-
-
-class _RemoteHooks(_Hooks, RemoteClient):
-    pass
+def with_hooks(hooks, client_class):
+    """``client_class`` (LLMClient or RemoteClient) with the hooks of ``hooks`` mixed in."""
+    return type(f"{hooks.__name__}{client_class.__name__}", (hooks, client_class), {})
 
 
 async def test_generate_batch_sends_nothing_after_a_refused_prompt_and_calls_each_hook_once():
     async with fleet(2, engine_options={"tokens_per_s": 100}) as sup:
-        async with _RemoteHooks(sup.frontend_address) as remote:
-            for client in (_LocalHooks(sup), remote):
+        async with with_hooks(_Hooks, RemoteClient)(sup.frontend_address) as remote:
+            for client in (with_hooks(_Hooks, LLMClient)(sup), remote):
                 ids = ["a", "b", "c", "d"]
                 bad = [[1], [2], ["x"], [3]]  # the third is refused (in-process: as it is sent)
                 with pytest.raises(InvalidRequest) as info:
@@ -643,7 +640,6 @@ async def test_generate_batch_sends_nothing_after_a_refused_prompt_and_calls_eac
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
 
 
-
 class _EnoughSamples(_Hooks):
     """An abort policy on the hooks: once two results are in, what is left of the batch stops;
     a result from prompt [13] makes the hook fail."""
@@ -656,20 +652,12 @@ class _EnoughSamples(_Hooks):
             raise ValueError("hook failed")
 
 
-class _LocalEnough(_EnoughSamples, LLMClient):
-    pass
-
-
-class _RemoteEnough(_EnoughSamples, RemoteClient):
-    pass
-
-
 async def test_generate_batch_calls_on_complete_as_each_result_comes_as_generate_does():
     # It was called for the whole batch once the last request was over: a policy built on it
     # (README: abort the rest of a step once it has enough samples) never stopped anything.
     async with fleet(2, engine_options={"tokens_per_s": 100}) as sup:
-        async with _RemoteEnough(sup.frontend_address) as remote:
-            for client in (_LocalEnough(sup), remote):
+        async with with_hooks(_EnoughSamples, RemoteClient)(sup.frontend_address) as remote:
+            for client in (with_hooks(_EnoughSamples, LLMClient)(sup), remote):
                 params = [SamplingParams(max_tokens=2)] * 2 + [SamplingParams(max_tokens=1000)] * 4
                 results = await client.generate_batch([[i + 1] for i in range(6)], params)
                 assert [r.finish_reason for r in results] == ["length"] * 2 + ["abort"] * 4
@@ -681,6 +669,7 @@ async def test_generate_batch_calls_on_complete_as_each_result_comes_as_generate
                 kept = await client.generate_batch([[12], [13]], SamplingParams(max_tokens=2), return_exceptions=True)
                 assert kept[0].token_ids == expected_tokens([12], 2) and isinstance(kept[1], ValueError)
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+
 
 async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeout():
     with socket_module.socket() as s:  # a port nothing listens on
