@@ -1142,8 +1142,15 @@ class Supervisor:
         Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops
         (code unknown_op) and bad args (bad_field: sleep's level 1 or 2, start_profile's
         trace_dir), WorkerLost / RequestTimeout from a worker (WorkerLost from one that died
-        during the call only once the others took the op: the fleet's state follows it).
+        during the call only once the others took the op: the fleet's state follows it). A
+        caller that gives up (a timeout, a cancelled task) does not stop the op half-way: the
+        fleet's sleep and pause state would then say what no engine was told.
         """
+        task = asyncio.ensure_future(self._control(op, args))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, if nobody waits for it any more
+        return await asyncio.shield(task)
+
+    async def _control(self, op: str, args: dict[str, Any] | None) -> dict[str, Any]:
         self._check_open()
         if op not in CONTROL_OPS:
             raise InvalidRequest(f"unknown control op {op!r}; one of {', '.join(CONTROL_OPS)}", code="unknown_op")

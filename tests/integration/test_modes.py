@@ -188,3 +188,24 @@ async def test_a_worker_that_dies_as_the_training_block_opens_leaves_the_fleet_a
         stats = await sup.stats()
         assert stats["sleep_level"] == 0
         assert [w["engine_stats"]["sleeping"] for w in stats["workers"]] == [False, False]
+
+
+async def test_a_control_op_given_up_on_at_once_still_reaches_every_engine():
+    # Cancelled before its calls went out, a sleep left the fleet saying sleep_level 1 while no
+    # engine slept; a worker restarted then was put to sleep.
+    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
+        for op, args, flag in (("sleep", {"level": 1}, True), ("wake_up", {}, False)):
+            call = asyncio.ensure_future(sup.control(op, args))
+            await asyncio.sleep(0)  # under way, its calls not sent yet
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+            async def engines():
+                return [w["engine_stats"]["sleeping"] for w in (await sup.stats())["workers"]]
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while await engines() != [flag, flag] and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert await engines() == [flag, flag]
+            assert (await sup.stats())["sleep_level"] == (1 if flag else 0)
