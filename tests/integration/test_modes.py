@@ -147,7 +147,8 @@ async def test_a_worker_restarted_while_the_fleet_sleeps_and_is_paused_comes_bac
         assert {r.worker for r in results} <= {w["worker_id"] for w in stats["workers"]}
 
 
-async def test_a_worker_that_dies_as_the_training_block_wakes_the_fleet_leaves_it_awake():
+@pytest.mark.parametrize("when", ["opens", "wakes"])
+async def test_a_worker_that_dies_as_the_training_block_opens_or_wakes_leaves_the_fleet_awake(when):
     import os
     import signal
 
@@ -155,35 +156,19 @@ async def test_a_worker_that_dies_as_the_training_block_wakes_the_fleet_leaves_i
 
     from ..helpers import wait_for
 
-    # The wake_up failed on the dead worker only, yet the fleet kept counting itself asleep: the
-    # restarted worker was put to sleep (a torch engine then holds its requests for good).
+    # opens: the sleep failed on the dead worker only, so the block did not open and nothing woke
+    # the others. wakes: the wake_up failed on the dead worker only, yet the fleet kept counting
+    # itself asleep: the restarted worker was put to sleep (a torch engine then holds its
+    # requests for good).
     async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
         victim = sup.slots[1]
         with pytest.raises(WorkerLost):
+            if when == "opens":
+                os.kill(victim.pid, signal.SIGKILL)  # dead before it can answer the sleep
             async with sup.training():
-                os.kill(victim.pid, signal.SIGKILL)  # dead before it can answer the wake_up
+                if when == "wakes":
+                    os.kill(victim.pid, signal.SIGKILL)  # dead before it can answer the wake_up
         assert (await sup.stats())["sleep_level"] == 0
-        assert await wait_for(lambda: sup.slots[1] is not victim and sup.slots[1].state.value == "ready", 15)
-        stats = await sup.stats()
-        assert stats["sleep_level"] == 0
-        assert [w["engine_stats"]["sleeping"] for w in stats["workers"]] == [False, False]
-
-
-async def test_a_worker_that_dies_as_the_training_block_opens_leaves_the_fleet_awake():
-    import os
-    import signal
-
-    from rollfleet.errors import WorkerLost
-
-    from ..helpers import wait_for
-
-    # The sleep failed on the dead worker only: the block did not open, so nothing woke the others.
-    async with Supervisor(FleetConfig(engine="echo", mode="hybrid", num_workers=2)) as sup:
-        victim = sup.slots[1]
-        os.kill(victim.pid, signal.SIGKILL)  # dead before it can answer the sleep
-        with pytest.raises(WorkerLost):
-            async with sup.training():
-                pass
         assert await wait_for(lambda: sup.slots[1] is not victim and sup.slots[1].state.value == "ready", 15)
         stats = await sup.stats()
         assert stats["sleep_level"] == 0
