@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "answered too_large (at least 1024; default 67108864, 64 MiB).")
 
 
+def _devices(args: argparse.Namespace) -> list[str] | None:
+    """The device of each worker, from --devices (None: not given)."""
+    return None if args.devices is None else [d.strip() for d in args.devices.split(",")]
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0, inf included (no limit)."""
     try:
@@ -123,8 +128,8 @@ def check_args(args: argparse.Namespace) -> None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or port.isdigit() and int(port) <= 65535):
             raise ValueError(f"--bind {args.bind}: expected tcp://HOST:PORT with a port in 0..65535")
-    if args.devices is not None:
-        devices = [d.strip() for d in args.devices.split(",")]
+    devices = _devices(args)
+    if devices is not None:
         if not all(devices) or len(devices) != args.workers:
             raise ValueError(f"--devices {args.devices}: expected {args.workers} device(s), comma-separated, one per "
                              f"worker (--workers {args.workers})")
@@ -161,14 +166,13 @@ async def serve(args: argparse.Namespace) -> int:
             check_args(args)
             options = engine_options(args)
             check_engine_options(args.engine, options)  # before a model is built for it
-            devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
             if args.engine in ("vllm", "sglang") and "model" not in options:
                 from .engines.tiny import build_tiny_llama
 
                 model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
                 options["model"] = build_tiny_llama(model_dir)
             config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
-                                 devices=devices, frontend_addr=args.bind, start_timeout_s=args.start_timeout,
+                                 devices=_devices(args), frontend_addr=args.bind, start_timeout_s=args.start_timeout,
                                  curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
                                  max_client_message_bytes=args.max_client_message_bytes)
         except ValueError as exc:
