@@ -210,6 +210,8 @@ class WeightSync:
             sup._paused = True
             try:
                 await self._interrupt_and_drain()
+                if sup.closed:  # shut down while the update drained the fleet's requests
+                    raise FleetClosed(f"the fleet shut down before weight version {version} was sent")
                 links = [h for h in sup.workers.values() if h.state is WorkerState.READY]
                 if not links:
                     raise WeightUpdateError("no ready worker to update")
@@ -217,6 +219,8 @@ class WeightSync:
                     report = await sender.update(tensors, version, links, lora=lora)
                 except WeightUpdateError as exc:
                     self.last_report = getattr(exc, "report", None)
+                    if sup.closed:  # its workers left because the fleet shut down: nothing to repair
+                        raise FleetClosed(f"the fleet shut down during the update to weight version {version}") from exc
                     logger.error("weight update to version %d failed: %s", version, exc)
                     await self._repair(links, sent if lora is None else set())
                     raise

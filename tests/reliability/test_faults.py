@@ -183,6 +183,40 @@ async def test_a_worker_that_registers_during_a_weight_update_serves_after_it():
     assert_clean(sup.private_dir, pids)
 
 
+@pytest.mark.parametrize("when", ["draining", "sending"])
+async def test_a_fleet_shut_down_during_a_weight_update_ends_it_with_fleet_closed(when):
+    from rollfleet.errors import FleetClosed
+
+    # draining: a request that takes its abort only after 100 s holds the update in its drain;
+    # sending: the trainer's tensors start the shutdown once the first bucket is on its way.
+    sup = fleet(1, engine_options={"tokens_per_s": 1, "step_tokens": 100})
+    async with sup:
+        pids = worker_pids(sup)
+        client = sup.client()
+        loop = asyncio.get_running_loop()
+        closing = []
+
+        def tensors():
+            for i in range(8):
+                if when == "sending" and i == 2:
+                    closing.append(loop.create_task(sup.shutdown()))
+                yield f"t{i}", torch.zeros(1 << 16)
+
+        if when == "draining":
+            held = asyncio.create_task(client.generate("held", [1], SamplingParams(max_tokens=100)))
+            assert await wait_for(lambda: sup.table.num_inner == 1, 10)
+        update = asyncio.create_task(client.update_weights(tensors(), version=1, bucket_bytes=1 << 18))
+        if when == "draining":
+            assert await wait_for(lambda: sup._paused, 10)
+            closing.append(asyncio.create_task(sup.shutdown()))
+            with pytest.raises(FleetClosed):
+                await asyncio.wait_for(held, 30)
+        with pytest.raises(FleetClosed, match="weight version 1"):
+            await asyncio.wait_for(update, 30)
+        await asyncio.wait_for(closing[0], 30)
+    assert_clean(sup.private_dir, pids)
+
+
 async def test_with_no_worker_left_to_restart_waiting_requests_fail_and_new_ones_are_refused():
     from rollfleet.actors import RemoteClient
 
