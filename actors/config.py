@@ -103,7 +103,7 @@ class FleetConfig:
     0: no limit (its answers then pile up in the supervisor's memory for as long as it
     does not read)."""
     max_sticky: int = 65536
-    """Request/session ids remembered for sticky routing (LRU)."""
+    """Session ids remembered for sticky routing (LRU); requests without a session take none."""
     deterministic_routing: bool = False
     """Tie-break by worker order instead of randomly (tests)."""
     private_dir_root: str | None = None

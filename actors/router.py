@@ -1,8 +1,9 @@
 """Which worker gets a request: pure policy, no I/O.
 
-Sticky first: a request or session id already seen goes back to the worker that served
-it (its KV/prefix cache is warm there), while that worker is available. Otherwise the
-available worker with the fewest requests in flight. Ties go to the first worker in
+Sticky first: a session id already seen goes back to the worker that served it (its
+KV/prefix cache is warm there), while that worker is available; a request without one may
+prefer a worker (the one a resumed request ran on). Otherwise the available worker with the
+fewest requests in flight. Ties go to the first worker in
 registration order in deterministic mode, else to a random one of the tied workers, so
 that bursts spread out instead of piling onto worker 0.
 """
@@ -52,13 +53,17 @@ class Router:
         return self._load.get(worker_id, 0)
 
     # -- policy
-    def choose(self, key: str | None = None, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
-        """The worker for a request keyed by ``key`` (session or request id); None if none is available."""
+    def choose(self, key: str | None = None, exclude: frozenset[str] | set[str] = frozenset(),
+               prefer: str | None = None) -> str | None:
+        """The worker for a request keyed by ``key`` (its session id), remembered for the next
+        one; or, without a key, ``prefer`` while it is available. None if none is available."""
         if key is not None:
             worker = self._sticky.get(key)
             if worker is not None and worker in self._available and worker not in exclude:
                 self._sticky.move_to_end(key)
                 return worker
+        elif prefer is not None and prefer in self._available and prefer not in exclude:
+            return prefer
         best: list[str] = []
         best_load = -1
         for worker, load in self._load.items():

@@ -908,7 +908,9 @@ class Supervisor:
             self._pump()
             return entry
         # Nothing waits: what _pump would do for this one entry, without the queue.
-        worker_id = self.router.choose(request_id if session_id is None else session_id)
+        # Only sessions are sticky: a request id names nothing beyond its request (another client's,
+        # or a later one, may reuse it), and remembering each would push the sessions out.
+        worker_id = self.router.choose(session_id)
         if worker_id is None:
             self._pending.append(entry)
         else:
@@ -922,7 +924,7 @@ class Supervisor:
             if entry.state is not State.PENDING or self.table.get(entry.origin, entry.request_id) is not entry:
                 self._pending.popleft()  # finished while waiting
                 continue
-            worker_id = self.router.choose(entry.request_id if entry.session_id is None else entry.session_id)
+            worker_id = self.router.choose(entry.session_id, prefer=entry.last_worker or None)
             if worker_id is None:
                 return
             self._pending.popleft()

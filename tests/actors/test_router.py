@@ -83,3 +83,13 @@ def test_finish_never_goes_negative():
 def test_bad_config():
     with pytest.raises(ValueError):
         Router(max_sticky=-1)
+
+
+def test_a_preferred_worker_is_taken_while_available_and_remembers_nothing():
+    r = make()
+    r.on_dispatch("w1")
+    assert r.choose(prefer="w1") == "w1"  # though busier
+    r.set_available("w1", False)
+    assert r.choose(prefer="w1") == "w0"
+    assert r.choose(prefer="gone") == "w0"
+    assert r.num_sticky == 0

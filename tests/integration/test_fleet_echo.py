@@ -124,6 +124,46 @@ async def test_a_session_stays_on_one_worker_the_empty_name_too(session):
         assert len({(await t).worker for t in tasks}) == 2
 
 
+async def test_a_session_keeps_its_worker_across_other_requests_and_no_other_request_is_pinned_by_its_id():
+    # Raw DEALERs, as a client written from PROTOCOL.md. Deterministic routing: ties go to w0.
+    async with fleet(2, engine_options={"tokens_per_s": 200}, deterministic_routing=True, max_sticky=4) as sup:
+        ctx = zmq.asyncio.Context()
+        a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(sup.frontend_address)
+
+        async def ask(sock, rid, max_tokens=1, **fields):
+            await sock.send(msgpack.packb({"v": 1, "type": "generate", "id": rid, "prompt_ids": [1],
+                                           "sampling": {"max_tokens": max_tokens}, **fields}))
+
+        async def end_of(sock, rid):
+            while True:
+                msg = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 20), raw=False)
+                if msg["id"] == rid and msg["type"] in ("result", "error"):
+                    assert msg["type"] == "result", msg
+                    return msg
+
+        try:
+            await ask(a, "busy", max_tokens=10_000)  # keeps w0 loaded, so the session goes to w1
+            assert await wait_for(lambda: sup.router.load("w0-0") == 1)
+            await ask(a, "s1", session_id="S")
+            assert (await end_of(a, "s1"))["worker"] == "w1-0"
+            # Client b reuses a's id "busy": an unrelated request, placed by load (w1), not on w0.
+            await ask(b, "busy")
+            assert (await end_of(b, "busy"))["worker"] == "w1-0"
+            for i in range(10):  # more requests without a session than the fleet keeps sessions
+                await ask(b, f"n{i}")
+                await end_of(b, f"n{i}")
+            await a.send(msgpack.packb({"v": 1, "type": "abort", "id": "x", "request_id": "busy"}))
+            assert (await end_of(a, "busy"))["finish_reason"] == "abort"
+            # Both workers idle (a tie goes to w0): the session still goes back to its worker.
+            await ask(a, "s2", session_id="S")
+            assert (await end_of(a, "s2"))["worker"] == "w1-0"
+        finally:
+            ctx.destroy(0)
+
+
 async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_other_clients_untouched():
     # 2 workers that run 2 requests at once each: of 8 requests some run, some wait in the
     # fleet; both kinds are aborted. A RemoteClient's requests are another client's.
