@@ -103,6 +103,11 @@ async def test_an_error_about_a_client_batch_itself_carries_the_empty_id_and_not
                 (batch(inside, batch_id="b12", version=2), "version_mismatch"),
                 (msgpack.packb({"v": 1, "type": "batch", "id": "B", 7: 1, "messages": [msgpack.unpackb(inside)]}),
                  "bad_field"),
+                # its id is ignored, but a header has one, a str (PROTOCOL.md 3)
+                (msgpack.packb({"v": 1, "type": "batch", "messages": [msgpack.unpackb(inside)]}), "bad_field"),
+                (msgpack.packb({"v": 1, "type": "batch", "id": None, "messages": [msgpack.unpackb(inside)]}),
+                 "bad_field"),
+                (msgpack.packb({"v": 1, "type": "batch", "id": 7, "messages": [msgpack.unpackb(inside)]}), "bad_field"),
             ]
             for frame, code in cases:
                 await client.sock.send(frame)
