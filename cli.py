@@ -23,8 +23,9 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``minimum`` (argparse exits 2 with one line otherwise)."""
+def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int >= ``minimum`` (and <= ``maximum`` if given; argparse exits 2
+    with one line otherwise)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -32,6 +33,8 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
     return parse
 

@@ -72,9 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-send-hwm", type=at_least(0), default=100_000, metavar="N",
                         help="Messages that may wait for one client; a client that stops reading past "
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
-    parser.add_argument("--max-client-message-bytes", type=at_least(1024), default=64 << 20, metavar="N",
+    parser.add_argument("--max-client-message-bytes", type=at_least(1024, 1 << 30), default=64 << 20, metavar="N",
                         help="Largest message header (its first frame) a client may send; a larger one is "
-                             "answered too_large (at least 1024; default 67108864, 64 MiB).")
+                             "answered too_large (at least 1024, at most 1073741824 = 1 GiB, the socket's "
+                             "limit, over which a client is dropped unanswered; default 67108864, 64 MiB).")
 
 
 def _devices(args: argparse.Namespace) -> list[str] | None:

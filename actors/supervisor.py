@@ -190,6 +190,9 @@ class Supervisor:
         self._training_depth = 0  # open training() blocks: the engines sleep while it is > 0
         self._closed = False
         self._max_bytes = config.max_message_bytes
+        # What hello promises clients, and reads: never above the socket limit, over which ZeroMQ
+        # drops the client unanswered.
+        self._client_max_bytes = min(config.max_client_message_bytes, config.max_message_bytes)
         self._auth: auth.Authenticator | None = None
         self._worker_keys: tuple[bytes, bytes] | None = None
         self._server_keys: tuple[bytes, bytes] | None = None
@@ -1328,7 +1331,7 @@ class Supervisor:
             return
         identity = frames[0]
         try:
-            msg = codec.decode(frames[1:2], self.config.max_client_message_bytes, accept=CLIENT_TYPES)
+            msg = codec.decode(frames[1:2], self._client_max_bytes, accept=CLIENT_TYPES)
         except codec.DecodeError as exc:
             self._drops.log("bad_client_frame", logging.WARNING, "bad client message from %s: %s", identity.hex(), exc)
             self._reply_client(identity, codec.error_for(exc))
@@ -1379,7 +1382,7 @@ class Supervisor:
                 if len(self._batch_clients) > MAX_BATCH_CLIENTS:
                     del self._batch_clients[next(iter(self._batch_clients))]
             self._reply_client(identity, Reply(id=msg.id, data={
-                "batch": msg.batch, "max_message_bytes": self.config.max_client_message_bytes}))
+                "batch": msg.batch, "max_message_bytes": self._client_max_bytes}))
         else:
             self._reply_client(identity, Error(id=msg.id, code="unknown_type",
                                                message=f"clients may not send {msg.TYPE.value!r}"))

@@ -47,6 +47,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--workers", "0"),
     ("serve", "--engine", "echo", "--client-send-hwm", "-1"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", "100"),
+    ("serve", "--engine", "echo", "--max-client-message-bytes", str((1 << 30) + 1)),
     ("serve", "--engine", "echo", "--devices", "cpu,"),
     ("serve", "--engine", "echo", "--workers", "2", "--devices", "cpu"),
     ("serve", "--engine", "echo", "--devices", ""),

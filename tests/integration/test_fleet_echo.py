@@ -255,6 +255,32 @@ async def test_a_client_header_over_the_limit_is_refused_without_decoding():
             ctx.term()
 
 
+async def test_hello_never_promises_more_than_the_socket_takes():
+    # A client limit above the socket limit (here the default 64 MiB over a 64 KiB socket):
+    # ZeroMQ drops the client that sends such a frame, unanswered. hello says what is read.
+    async with fleet(1, max_message_bytes=1 << 16) as sup:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(sup.frontend_address)
+        try:
+            await sock.send(msgpack.packb({"v": 1, "type": "hello", "id": "h"}))
+            answer = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+            limit = answer["data"]["max_message_bytes"]
+            assert limit == 1 << 16, answer
+            # a generate of exactly that many bytes is read and served
+            frame = msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt_ids": [7], "sampling": {"max_tokens": 1},
+                                   "pad": ""})
+            frame = msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt_ids": [7], "sampling": {"max_tokens": 1},
+                                   "pad": "x" * (limit - len(frame) - 2)})
+            assert len(frame) == limit
+            await sock.send(frame)
+            answer = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+            assert answer["type"] == "result" and answer["token_ids"] == expected_tokens([7], 1)
+        finally:
+            ctx.destroy(0)
+
+
 async def test_a_prompt_the_engine_cannot_take_is_the_clients_error_and_the_worker_serves_on():
     async with fleet(1) as sup:
         client = sup.client()
