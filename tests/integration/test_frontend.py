@@ -164,3 +164,35 @@ async def test_a_second_client_under_an_identity_in_use_is_never_read():
             for dealer in (first, second):
                 if dealer is not None and not dealer.sock.closed:
                     dealer.close()
+
+
+async def test_a_client_that_reconnects_under_its_own_identity_gets_its_old_requests_answers_and_can_abort_them():
+    # 100 tokens/s: "long" runs for 20 s unless aborted, "short" ends 1 s after it starts, once
+    # the client is connected again (an answer sent while no connection has the identity is lost).
+    config = FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 100})
+    async with Supervisor(config) as sup:
+        first = Dealer(sup.frontend_address, b"me")
+        await first.sock.send(generate("long", [1], 2000))
+        await first.sock.send(generate("short", [2], 100))
+        assert await wait_for(lambda: len(sup.table) == 2, 10)
+        first.close()
+        second = None
+        for _ in range(50):  # the old connection is seen gone within a moment: until then, unread
+            second = Dealer(sup.frontend_address, b"me")
+            await second.sock.send(msgpack.packb({"v": 1, "type": "stats", "id": "s"}))
+            if await second.sock.poll(200):
+                break
+            second.close()
+            second = None
+        assert second is not None, "the identity was never read again after its connection closed"
+        try:
+            await second.sock.send(msgpack.packb({"v": 1, "type": "abort", "id": "a", "request_id": "long"}))
+            got = {m["id"]: m for m in await second.answers(4)}  # stats, abort, both results
+            assert got["s"]["type"] == "reply" and got["a"]["type"] == "reply"
+            assert got["short"]["type"] == "result"
+            assert got["short"]["token_ids"] == echo_tokens([2], 100)
+            assert got["long"]["type"] == "result" and got["long"]["finish_reason"] == "abort"
+            assert got["long"]["token_ids"] == echo_tokens([1], len(got["long"]["token_ids"]))
+            assert len(sup.table) == 0
+        finally:
+            second.close()
