@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from common import bench_parser, machine_info, png_path, print_table, quick_defaults, write_json
+from common import bench_parser, finite_float, machine_info, png_path, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, StreamChunk, Supervisor
 from rollfleet.transport.messages import SamplingParams
@@ -499,20 +499,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="Engine worker processes per fleet (default 1).")
     parser.add_argument("--inflight", type=int, default=32, help="Requests kept in flight, lanes (default 32).")
     parser.add_argument("--max-tokens", type=int, default=128, help="Mean max_tokens of a request (default 128).")
-    parser.add_argument("--spread", type=float, default=0.5,
+    parser.add_argument("--spread", type=finite_float, default=0.5,
                         help="max_tokens is drawn uniformly from mean*(1 +- spread), so lanes stay out of step "
                              "(default 0.5).")
     parser.add_argument("--prompt-len", type=int, default=16,
                         help="Tokens of every prompt, random ids (default 16).")
-    parser.add_argument("--duration", type=float,
+    parser.add_argument("--duration", type=finite_float,
                         help="Seconds of each measurement window, after a ramp of one update interval "
                              "(default 30; --quick 8).")
-    parser.add_argument("--every", type=float, help="Seconds between weight updates (default 3; --quick 2).")
+    parser.add_argument("--every", type=finite_float, help="Seconds between weight updates (default 3; --quick 2).")
     parser.add_argument("--rounds", type=int, help="Measured windows per strategy (default 3; --quick 1).")
     parser.add_argument("--sequential", action="store_true",
                         help="One fleet, strategies in turns (A B B A ...), instead of a fleet per strategy "
                              "side by side (for a machine that cannot hold two fleets, e.g. one GPU).")
-    parser.add_argument("--echo-tokens-per-s", type=float, default=100.0,
+    parser.add_argument("--echo-tokens-per-s", type=finite_float, default=100.0,
                         help="Per-request pace of the echo engine, tokens/s (default 100; 0: as fast as possible; "
                              "torch ignores it).")
     parser.add_argument("--seed", type=int, default=0,

@@ -98,7 +98,7 @@ from typing import Any
 import psutil
 import torch
 
-from common import bench_parser, machine_info, png_path, print_table, summarize, write_json
+from common import bench_parser, finite_float, machine_info, png_path, print_table, summarize, write_json
 
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.transport.messages import SamplingParams
@@ -793,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Throughput calls per fleet size, all rounds together (default 40000; --quick 6000).")
     parser.add_argument("--paced-running", type=int, default=64,
                         help="Engine-paced fleet: requests each worker runs at once, its batch (default 64).")
-    parser.add_argument("--paced-tokens-per-s", type=float, default=200.0,
+    parser.add_argument("--paced-tokens-per-s", type=finite_float, default=200.0,
                         help="Engine-paced fleet: tokens/s of each running request (default 200).")
     parser.add_argument("--paced-tokens", type=int, default=64,
                         help="Engine-paced fleet: tokens per request (default 64).")

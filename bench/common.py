@@ -33,6 +33,7 @@ from typing import Any
 __all__ = [
     "MACHINE_KEYS",
     "bench_parser",
+    "finite_float",
     "quick_defaults",
     "png_path",
     "machine_info",
@@ -54,6 +55,19 @@ def bench_parser(description: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--png", metavar="PATH",
                         help="Write a plot here (default: next to --json, with a .png suffix).")
     return parser
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither nan nor infinite (``float()`` takes both, and
+    a nan slips past every ``<=`` check: ``--duration nan`` once ran a soak of no requests that
+    passed). Range checks stay with each script."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def quick_defaults(args: argparse.Namespace, **defaults: tuple[Any, Any]) -> None:

@@ -38,7 +38,7 @@ from collections import Counter
 
 import psutil
 
-from common import bench_parser, machine_info, print_table, quick_defaults, write_json
+from common import bench_parser, finite_float, machine_info, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.engines.echo import echo_tokens
@@ -212,14 +212,14 @@ def _alive(pid: int) -> bool:
 def main() -> int:
     parser = bench_parser(__doc__)
     parser._option_string_actions["--png"].help = "Not supported: soak.py draws no plot."
-    parser.add_argument("--duration", type=float, default=None, help="Seconds of load (default 600; --quick 60).")
+    parser.add_argument("--duration", type=finite_float, default=None, help="Seconds of load (default 600; --quick 60).")
     parser.add_argument("--workers", type=int, default=4, help="Echo workers, at least 2 (default 4).")
     parser.add_argument("--concurrency", type=int, default=64, help="Requests kept in flight (default 64).")
-    parser.add_argument("--kill-every", type=float, default=None, help="Mean seconds between worker kills (default 15; --quick 6).")
-    parser.add_argument("--update-every", type=float, default=None, help="Seconds between weight updates (default 20; --quick 8).")
-    parser.add_argument("--tokens-per-s", type=float, default=500.0,
+    parser.add_argument("--kill-every", type=finite_float, default=None, help="Mean seconds between worker kills (default 15; --quick 6).")
+    parser.add_argument("--update-every", type=finite_float, default=None, help="Seconds between weight updates (default 20; --quick 8).")
+    parser.add_argument("--tokens-per-s", type=finite_float, default=500.0,
                         help="Echo pacing per request (default 500; 0: as fast as possible).")
-    parser.add_argument("--timeout", type=float, default=120.0,
+    parser.add_argument("--timeout", type=finite_float, default=120.0,
                         help="Per-request deadline, seconds; past it a request is lost (default 120).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the requests, kills and signals (default 0).")
     args = parser.parse_args()

@@ -120,10 +120,25 @@ def test_bench_weights_refuses_bad_sizes_and_unknown_transports_before_measuring
 
 
 @pytest.mark.parametrize("args", [("--duration", "0"), ("--concurrency", "0"), ("--kill-every", "-1"),
-                                  ("--timeout", "0"), ("--workers", "1"), ("--png", "soak.png")])
+                                  ("--timeout", "0"), ("--workers", "1"), ("--png", "soak.png"),
+                                  ("--duration", "nan"), ("--tokens-per-s", "inf")])
 def test_soak_refuses_nonsense_options_before_starting_a_fleet(args):
     # --duration 0 once meant the 10-minute default and --concurrency 0 a soak of no requests that passed.
     out = subprocess.run([sys.executable, os.path.join(BENCH, "soak.py"), *args], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "error:" in out.stderr and "soak:" not in out.stdout
+
+
+@pytest.mark.parametrize("script, args", [
+    ("bench_resume.py", ("--duration", "nan")), ("bench_resume.py", ("--every", "inf")),
+    ("bench_resume.py", ("--echo-tokens-per-s", "nan")), ("bench_scaling.py", ("--paced-tokens-per-s", "nan")),
+    ("bench_scaling.py", ("--paced-tokens-per-s", "inf")), ("run_all", ("--timeout", "nan")),
+])
+def test_float_options_refuse_nan_and_infinity_with_a_usage_error(script, args):
+    # float() takes "nan" and "inf", and a nan passes every "<= 0" check: soak.py --duration nan
+    # once ran no requests and passed, bench_scaling --paced-tokens-per-s nan ended in a traceback.
+    out = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"argument {args[0]}: expected a finite number" in out.stderr
