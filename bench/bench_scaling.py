@@ -33,7 +33,9 @@ until the last rank finished; each round makes at least 20,000 calls in all.
 Clients: the same fleet size as one fleet fed through its frontend by K client processes
 (``--clients``, default 1, 2, 4; ``--quick`` 1, 2), each a RemoteClient with window / K in flight,
 as agent-loop processes would share one fleet: the supervisor's loop routes every request and
-runs no client, so its CPU per request is the supervisor's own. Rounds as for the ranks.
+runs no client, so its CPU per request is the supervisor's own. Rounds as for the ranks; in each,
+after the client layouts, the baseline: the same fleet flooded by its in-process client with the
+whole window in flight (the loop then runs that client too).
 
 Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf16) to 1, 2 and 4
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
@@ -77,7 +79,7 @@ supervisor's loop, cores), ``clients_loop_us_per_req_{k}c``, ``clients_cpu_{k}c`
 processes, cores), ``clients_client_us_per_req_{k}c``, ``clients_machine_busy_{k}c``,
 ``clients_bottleneck_{k}c``, ``clients_max``, ``clients_rps_scaling_max`` (most clients / fewest),
 ``clients_loop_cpu_max``, ``clients_bottleneck`` (with the most), ``clients_in_process_rps`` (the
-same fleet size's in-process flood above, when it ran); and the machine facts ``machine_*`` of
+baseline: the same fleet flooded by its in-process client, in turns with the client processes); and the machine facts ``machine_*`` of
 bench/common.py (``MACHINE_KEYS``; ``machine_busy_{n}w`` above is a measurement, not one of them).
 """
 
@@ -401,18 +403,20 @@ def layout_calls(sizes: dict, k: int) -> int:
     return max(sizes["tput"] // ROUNDS, 20_000) // k
 
 
-async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, metered) -> dict:  # type: ignore[no-untyped-def]
+async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, metered,  # type: ignore[no-untyped-def]
+                           also=None) -> dict:
     """Each layout K runs K child processes (``argv(K)``: their command line, a hidden mode of
     this script); then rounds of floods by each layout's children, the layouts in turns like
     the fleet sizes; ``metered(children, calls)`` runs one round and returns the children's
-    answers and the round's CPU seconds (with its wall time). Summed up per layout; no child
-    outlives it."""
+    answers and the round's CPU seconds (with its wall time). ``also(round)``, when given, runs
+    once per round after the layouts' turns (a baseline measured in turns with them). Summed up
+    per layout; no child outlives it."""
     out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in layouts}
     procs: dict[int, list] = {}
     try:
         for k in layouts:
             procs[k] = await start_children([argv(k)] * k)
-        for _ in range(ROUNDS):
+        for r in range(ROUNDS):
             for k, ps in procs.items():
                 calls = layout_calls(sizes, k)
                 answers, cpu = await metered(ps, calls)
@@ -420,6 +424,8 @@ async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, me
                 f["rps"].append(calls * k / cpu["wall"])
                 f["lat"] += [x for a in answers for x in a["lat"]]
                 f["cpu"].append(cpu)
+            if also is not None:
+                await also(r)
     finally:
         await stop_children([p for ps in procs.values() for p in ps])
     finish_layouts(out, cores)
@@ -475,14 +481,22 @@ async def client_main(address: str, window: int) -> None:
                   flush=True)
 
 
-async def clients_in_turns(sizes: dict, cores: int, workers: int) -> dict:
+async def clients_in_turns(sizes: dict, cores: int, workers: int) -> tuple[dict, dict]:
     """One fleet of ``workers`` no-model echo workers fed through its frontend by K client
     processes (K in ``sizes["clients"]``), each a RemoteClient with window / K in flight, as
     agent-loop processes would share one fleet: the supervisor's loop routes every request but
-    runs no client. The layouts run in turns like the fleet sizes."""
+    runs no client. The layouts run in turns like the fleet sizes, and after them in each round
+    the baseline: the same fleet flooded by its in-process client with the whole window in
+    flight. Returns the layouts, and the baseline summed up like a fleet size's floods."""
     config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
                          start_timeout_s=300)
+    in_process: dict = {"rps": [], "lat": [], "cpu": []}
     async with Supervisor(config) as sup:
+        client = sup.client()
+        await flood(client, sizes["warmup"], sizes["window"], "warm-in-process")
+
+        async def baseline(r: int) -> None:
+            await metered_flood(sup, client, in_process, layout_calls(sizes, 1), sizes["window"], f"in-process-{r}")
 
         async def metered(ps: list, calls: int) -> tuple[list[dict], dict]:
             meter = CpuMeter(sup)
@@ -495,13 +509,16 @@ async def clients_in_turns(sizes: dict, cores: int, workers: int) -> dict:
         def argv(k: int) -> list[str]:
             return ["--client-of", sup.frontend_address, "--window", str(max(1, sizes["window"] // k))]
 
-        out = await layouts_in_turns(sizes["clients"], argv, sizes, cores, metered)
+        out = await layouts_in_turns(sizes["clients"], argv, sizes, cores, metered, also=baseline)
+    totals(in_process, cores)
     for k, f in out.items():
         print(f"{workers:>3} workers, {k} client process{'es' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
               f"{f['lat']['p99']:,.0f} us, loop {f['cpu']['loop']:.2f} cores "
               f"({f['cpu_s']['loop'] / f['num_calls'] * 1e6:.1f} us/req), clients {f['cpu']['clients']:.2f}, "
               f"machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
-    return out
+    print(f"{workers:>3} workers, in-process client (baseline): {in_process['rps']:,.0f} req/s, p99 "
+          f"{in_process['lat']['p99']:,.0f} us, loop {in_process['cpu']['loop']:.2f} cores", flush=True)
+    return out, in_process
 
 
 def ranks_workers(sizes: dict, fleets: dict) -> int:
@@ -571,7 +588,8 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
     clients: dict = {}
     if sizes["clients"]:
         workers = ranks_workers(sizes, fleets)
-        clients = {"workers": workers, "by_clients": await clients_in_turns(sizes, cores, workers)}
+        by_clients, in_process = await clients_in_turns(sizes, cores, workers)
+        clients = {"workers": workers, "by_clients": by_clients, "in_process": in_process}
     if sizes["ranks"]:
         workers = ranks_workers(sizes, fleets)
         sizes["ranks"] = [k for k in sizes["ranks"] if workers % k == 0]  # the same workers in all
@@ -631,8 +649,7 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
     if clients:
         by = clients["by_clients"]
         m["clients_workers"] = clients["workers"]
-        if clients["workers"] in fleets:
-            m["clients_in_process_rps"] = fleets[clients["workers"]]["rps"]
+        m["clients_in_process_rps"] = clients["in_process"]["rps"]
         for k, f in by.items():
             m[f"clients_rps_{k}c"], m[f"clients_p99_us_{k}c"] = f["rps"], f["lat"]["p99"]
             m[f"clients_loop_cpu_{k}c"], m[f"clients_cpu_{k}c"] = f["cpu"]["loop"], f["cpu"]["clients"]
@@ -895,12 +912,17 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.window}/K in flight each")
     if clients:
         print()
-        print_table(["client processes", "req/s", "vs fewest", "p99 us", "loop cores", "loop us/req", "sup. cores",
-                     "workers cores", "clients cores", "client us/req", "machine busy", "bottleneck"],
+        base = clients["in_process"]
+        print_table(["client processes", "req/s", "vs fewest", "vs in-process", "p99 us", "loop cores", "loop us/req",
+                     "sup. cores", "workers cores", "clients cores", "client us/req", "machine busy", "bottleneck"],
                     [(k, f["rps"], f["rps"] / clients["by_clients"][min(clients["by_clients"])]["rps"],
-                      f["lat"]["p99"], f["cpu"]["loop"], m[f"clients_loop_us_per_req_{k}c"], f["cpu"]["supervisor"],
-                      f["cpu"]["workers"], f["cpu"]["clients"], m[f"clients_client_us_per_req_{k}c"],
-                      f["cpu"]["machine"], f["bottleneck"]) for k, f in sorted(clients["by_clients"].items())],
+                      f["rps"] / m["clients_in_process_rps"], f["lat"]["p99"], f["cpu"]["loop"],
+                      m[f"clients_loop_us_per_req_{k}c"], f["cpu"]["supervisor"], f["cpu"]["workers"],
+                      f["cpu"]["clients"], m[f"clients_client_us_per_req_{k}c"], f["cpu"]["machine"], f["bottleneck"])
+                     for k, f in sorted(clients["by_clients"].items())]
+                    + [("in-process client (baseline)", base["rps"], None, None, base["lat"]["p99"], base["cpu"]["loop"],
+                        base["cpu_s"]["loop"] / base["num_calls"] * 1e6, base["cpu"]["supervisor"],
+                        base["cpu"]["workers"], None, None, base["cpu"]["machine"], base["bottleneck"])],
                     title=f"one fleet of {clients['workers']} no-model echo workers fed through its frontend by K "
                           f"RemoteClient processes, {args.window}/K in flight each")
     if paced:
