@@ -35,7 +35,7 @@ Keys: every ``..._gbps`` is 10^9 bytes per second, end to end, the best of a row
 (``--reps``, default 2; cuda_ipc rows: at least 20). Per bucket size, ``{mb}`` in MiB:
 ``shm_gbps_{mb}mb``, ``shm_buffered_gbps_{mb}mb`` (every bucket size),
 ``shm_as_allocated_gbps_{mb}mb`` (the largest size only), ``gloo_gbps_{mb}mb`` (every size;
-``--quick``: the first only), ``shm_keep_last_gbps_{mb}mb`` (only at the size where ``shm`` was
+``--quick``: the smallest only), ``shm_keep_last_gbps_{mb}mb`` (only at the size where ``shm`` was
 fastest), and with a GPU ``cuda_ipc_gbps_{mb}mb``, ``cuda_ipc_buffered_gbps_{mb}mb``. The best over
 bucket sizes of each row: ``shm_gbps``, ``shm_as_allocated_gbps``, ``shm_buffered_gbps``,
 ``shm_keep_last_gbps``, ``gloo_gbps``, ``cuda_ipc_gbps``, ``cuda_ipc_buffered_gbps``. Baselines:
@@ -43,7 +43,9 @@ bucket sizes of each row: ``shm_gbps``, ``shm_as_allocated_gbps``, ``shm_buffere
 and a last set after the fleet rows), ``d2d_gbps`` (GPU only: the best of three sets, before,
 between and after the two cuda_ipc rows). Ratios: ``shm_vs_memcpy``, ``shm_as_allocated_vs_memcpy``,
 ``shm_buffered_vs_memcpy`` (the row's best / ``memcpy_gbps``), ``cuda_ipc_vs_d2d``,
-``cuda_ipc_buffered_vs_d2d`` (the row's best / ``d2d_gbps``). The run: ``bytes`` (bytes of one CPU
+``cuda_ipc_buffered_vs_d2d`` (the row's best / ``d2d_gbps``). ``cuda_ipc_measured`` (always
+written: whether the cuda_ipc rows, ``d2d_gbps`` and their ratios are in this JSON; false without
+a CUDA device, or without cuda_ipc in ``--transports``; the table then says which). The run: ``bytes`` (bytes of one CPU
 update: the Llama checkpoint's tensors, or made-up ones when no fleet row ran), ``num_tensors``
 (tensors in it), ``bytes_cuda`` (bytes of one cuda_ipc update, GPU only), ``buckets_mb`` (the bucket
 sizes, a comma-separated string), ``reps`` (timed updates per CPU row and bucket size),
@@ -55,7 +57,7 @@ about that much, not exactly: the default 1 GiB gives 8 layers, 1,084,297,216 by
 1.01 GiB); ``--quick`` asks for 400 MiB and gets 2 layers, 467,685,376 bytes (about 450 MiB).
 
 ``--quick`` changes the defaults only (about 450 MiB of weights, buckets of 64 and 256 MiB, gloo
-at the first bucket size only): ``--total-gb`` and ``--buckets-mb`` given with it stand. ``--reps``
+at the smallest bucket size only): ``--total-gb`` and ``--buckets-mb`` given with it stand. ``--reps``
 is 2 unless given, with or without ``--quick``.
 """
 
@@ -354,7 +356,8 @@ def main() -> None:
                         "checkpoint holds whole layers, so the bytes moved differ a little (default 1: about "
                         "1.01 GiB; with --quick 400 MiB asked for, about 450 MiB moved)")
     p.add_argument("--buckets-mb", default=None, type=_sizes,
-                   help="comma-separated bucket sizes in MiB (default 64,128,256,512,1024; with --quick 64,256)")
+                   help="comma-separated bucket sizes in MiB, run smallest first (default 64,128,256,512,1024; "
+                        "with --quick 64,256)")
     p.add_argument("--reps", type=_positive(int), default=None,
                    help="timed updates per row and bucket size, the best counts (default 2; cuda_ipc rows: at least 20)")
     p.add_argument("--cuda-total-gb", type=_positive(float), default=4.0,
@@ -372,7 +375,7 @@ def main() -> None:
     # --quick changes the defaults only: what is given on the command line stands.
     total = int(args.total_gb * (1 << 30)) if args.total_gb is not None else (400 * MB if args.quick else 1 << 30)
     buckets_mb = args.buckets_mb or ("64,256" if args.quick else "64,128,256,512,1024")
-    buckets = [int(b) * MB for b in buckets_mb.split(",")]
+    buckets = sorted({int(b) * MB for b in buckets_mb.split(",")})  # "the largest", "the first" below: by size
     reps = args.reps if args.reps is not None else 2
     wanted = set(args.transports.split(","))
     result: dict = {"quick": bool(args.quick), **machine_info()}
@@ -393,9 +396,12 @@ def main() -> None:
     result.update(bytes=nbytes, num_tensors=len(weights), buckets_mb=",".join(str(b // MB) for b in buckets),
                   reps=reps)
     result["memcpy_gbps"] = max(baseline)
-    if "cuda_ipc" in wanted and not torch.cuda.is_available():
+    cuda_skipped = ("not in --transports" if "cuda_ipc" not in wanted
+                    else None if torch.cuda.is_available() else "no CUDA device here")
+    result["cuda_ipc_measured"] = cuda_skipped is None
+    if cuda_skipped == "no CUDA device here":
         print("cuda_ipc: no CUDA device here, not measured", flush=True)
-    if "cuda_ipc" in wanted and torch.cuda.is_available():
+    if cuda_skipped is None:
         gpu_weights = make_weights(int(args.cuda_total_gb * (1 << 30)), "cuda")
         gpu_reps = max(reps, 20)  # an update takes milliseconds here: best of many
         result["bytes_cuda"] = sum(t.numel() * t.element_size() for _, t in gpu_weights)
@@ -422,6 +428,8 @@ def main() -> None:
     print(f"weights: {nbytes / 1e9:.2f} GB in {len(weights)} tensors; GB/s end to end, best of {reps}"
           + (f" (cuda_ipc rows: best of {result['cuda_reps']})" if "cuda_reps" in result else ""))
     rows = [[name] + [curve.get(b) for b in buckets] for name, curve in curves.items()]
+    if cuda_skipped:
+        rows.append([f"cuda_ipc: not measured ({cuda_skipped})"] + [None] * len(buckets))
     print_table(["transport"] + [f"{b // MB} MB" for b in buckets], rows)
     print(f"memcpy {result['memcpy_gbps']:.2f} GB/s", end="")
     if "shm_vs_memcpy" in result:
