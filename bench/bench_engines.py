@@ -23,8 +23,9 @@ More than half of a ``--quick`` run on 2 cores is vLLM starting up (the direct e
 fleet's worker start at the same time: about 30 s).
 
 Without ``--engines``, vLLM is measured when it can be imported: if ``import vllm`` fails (checked
-in a child process, so this one is not changed by it), the script says so, measures torch alone
-and writes ``vllm_measured`` false. ``--engines vllm`` (or ``torch,vllm``) given on the command
+in a child process, so this one is not changed by it), the script says so, measures torch alone,
+ends its table with a "vllm: not measured" row that gives the reason and writes ``vllm_measured``
+false. ``--engines vllm`` (or ``torch,vllm``) given on the command
 line asks for it, and then a vLLM that cannot be imported fails the run.
 
 LD_PRELOAD: vLLM's CPU decode is 1.5-2x faster with Intel's OpenMP (``libiomp5.so``, which
@@ -261,6 +262,8 @@ def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
                          m[f"{engine}_fleet_vs_direct"] if kind == "fleet" else None, r["tokens_match"]))
     if "vllm" in res:
         m["goal_vllm_overhead_met"] = m["vllm_fleet_vs_direct"] >= GOAL_VLLM
+    else:
+        rows.append((f"vllm: not measured ({args.vllm_skipped or 'not in --engines'})", None, None, None, None))
     print_table(["path", "tokens/s", "p50 request ms", "fleet/direct", "same tokens"], rows,
                 title=f"{args.requests} requests x {args.max_tokens} tokens, greedy, all at once; "
                       f"median of {args.rounds} rounds")
@@ -296,9 +299,11 @@ def main() -> None:
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model {args.model!r} is not a local transformers model directory (no config.json)")
     # vLLM by default only, and once: a re-executed run (IOMP_ENV set) kept vLLM because it imported.
+    args.vllm_skipped = None
     if not explicit and "vllm" in args.engines and not os.environ.get(IOMP_ENV):
         why = vllm_import_error()
         if why is not None:
+            args.vllm_skipped = f"cannot be imported: {why}"
             print(f"vLLM cannot be imported ({why}): not measured; --engines vllm makes this an error", flush=True)
             args.engines = [e for e in args.engines if e != "vllm"]
     maybe_reexec_with_iomp(args)
