@@ -22,9 +22,11 @@ Measured side by side in one run, each between two processes over ipc://:
     python bench/bench_rpc.py --json bench/out/bench_rpc.json            # a few minutes
     python bench/bench_rpc.py --quick --prompt-len 4096             # per-token costs
 
-Every path is set up first and then measured in turns (blocks of 100 calls, then rounds of
-floods), so changes in the machine's state hit all of them alike: on a VM, one idle core's
-wake-up latency alone moves the raw round trip between ~45 and ~130 us.
+Every path but Ray is set up first and then measured in turns (blocks of 100 calls, then rounds
+of floods), so changes in the machine's state hit all of them alike: on a VM, one idle core's
+wake-up latency alone moves the raw round trip between ~45 and ~130 us. Ray, when importable,
+runs after them (its fleets closed by then), in the same process: ``num_ray_calls`` sequential
+calls after 100 to warm up.
 
 Goals (from the issue): fleet p50 within 1.5x of raw, fleet throughput at least half of raw
 pipelined, and at least 10x Ray's sequential actor calls.
@@ -48,7 +50,8 @@ process of its own, 1 worker), ``remote_client_us_per_req`` (that process's CPU 
 (``fleet_vs_raw_p50`` <= 1.5), ``goal_rps_met`` (``fleet_vs_raw_rps`` >= 0.5). Ray: ``ray_measured``
 (always written), then only when it is true: ``ray_sync_rps`` (calls / wall time of the sequential
 loop), ``ray_sync_p50_us``, ``ray_sync_p99_us``, ``fleet_vs_ray_rps`` (``fleet_rps_best`` /
-``ray_sync_rps``), ``goal_ray_met`` (``fleet_vs_ray_rps`` >= 10). The run: ``quick``, ``window``,
+``ray_sync_rps``), ``goal_ray_met`` (``fleet_vs_ray_rps`` >= 10), ``num_ray_calls`` (500; full run
+2000). The run: ``quick``, ``window``,
 ``prompt_len``, ``num_rtt_calls`` (per path), ``num_tput_calls`` (per path, split over the 3
 floods), ``elapsed_s``; and the machine facts ``machine_*`` of bench/common.py (``MACHINE_KEYS``).
 """
@@ -435,7 +438,7 @@ def metrics(args: argparse.Namespace, sizes: dict, res: dict, ray: dict | str) -
     if isinstance(ray, dict):
         s_ray = summarize(ray["lat"])
         m.update(ray_sync_rps=ray["rps"], ray_sync_p50_us=s_ray["p50"], ray_sync_p99_us=s_ray["p99"],
-                 fleet_vs_ray_rps=best / ray["rps"])
+                 fleet_vs_ray_rps=best / ray["rps"], num_ray_calls=len(ray["lat"]))
         m["goal_ray_met"] = m["fleet_vs_ray_rps"] >= 10
     return m
 
