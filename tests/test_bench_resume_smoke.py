@@ -13,6 +13,18 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
+def load_key_checks():
+    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
+    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+keys = load_key_checks()
+
+
 NUMBERS = [
     "resume_tps", "restart_tps", "wasted_tokens_resume", "wasted_tokens_restart", "update_pause_ms",
     "update_pause_ms_resume", "update_pause_ms_restart", "generated_tps_resume", "generated_tps_restart",
@@ -32,6 +44,8 @@ def test_bench_resume_quick_measures_both_strategies_and_resume_wastes_nothing(t
     assert "useful tok/s" in proc.stdout and "restart" in proc.stdout
     m = json.loads(out.read_text())
     assert all(not isinstance(v, (dict, list)) for v in m.values())
+    keys.check_keys("bench_resume", m)
+    assert m["resume_vs_restart_tps"] == pytest.approx(m["resume_tps"] / m["restart_tps"])
     for key in NUMBERS:
         value = m.get(key)
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)

@@ -25,6 +25,18 @@ def load_common():
 
 common = load_common()
 
+
+def load_key_checks():
+    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
+    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+keys = load_key_checks()
+
 REQUIRED = [
     "raw_rtt_p50_us", "raw_rtt_p99_us", "raw_pipelined_rps",
     "fleet_rtt_p50_us", "fleet_rtt_p99_us", "fleet_rtt_p50_us_4w", "fleet_rtt_p99_us_4w",
@@ -49,6 +61,7 @@ def test_bench_rpc_quick_writes_flat_json_with_positive_metrics_and_a_plot(tmp_p
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
         assert math.isfinite(value) and value > 0, (key, value)
     assert all(not isinstance(v, (dict, list)) for v in metrics.values())
+    keys.check_keys("bench_rpc", metrics)
     for key in ("goal_p50_met", "goal_rps_met", "ray_measured", "quick"):
         assert isinstance(metrics[key], bool), key
     if metrics["ray_measured"]:
@@ -56,6 +69,14 @@ def test_bench_rpc_quick_writes_flat_json_with_positive_metrics_and_a_plot(tmp_p
         assert isinstance(metrics["goal_ray_met"], bool)
     else:
         assert "ray_sync_rps" not in metrics
+    # Every ratio is the quotient of this run's figures, every goal flag its documented threshold.
+    assert metrics["fleet_vs_raw_p50"] == pytest.approx(metrics["fleet_rtt_p50_us"] / metrics["raw_rtt_p50_us"])
+    assert metrics["fleet_vs_raw_rps"] == pytest.approx(metrics["fleet_rps_best"] / metrics["raw_pipelined_rps"])
+    assert metrics["remote_vs_fleet_rps"] == pytest.approx(metrics["remote_rps_1w"] / metrics["fleet_rps_1w"])
+    assert metrics["goal_p50_met"] == (metrics["fleet_vs_raw_p50"] <= 1.5)
+    assert metrics["goal_rps_met"] == (metrics["fleet_vs_raw_rps"] >= 0.5)
+    if not metrics["ray_measured"]:
+        assert "ray actor: " in proc.stdout  # the table says why Ray is missing
     # The fleet cannot beat two processes doing nothing but the same exchange.
     assert metrics["fleet_rtt_p50_us"] > metrics["raw_rtt_p50_us"]
     png = tmp_path / "rpc.png"

@@ -4,6 +4,7 @@ what could not run. The report goes to a temporary path, never over bench/RESULT
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_ALL = os.path.join(ROOT, "bench", "run_all")
 HERE = {"machine_cores": 2, "machine_memory_gb": 23.5, "machine_cpu": "Test CPU", "machine_gpu": "none",
         "machine_load_1m": 0.5}
+
+
+def load_key_checks():
+    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
+    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+keys = load_key_checks()
 
 
 def run_all(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -39,6 +52,7 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
             "--extra", "--workers 1,2 --receivers 1,2 --weights-mb 8 --calls 900 --paced-running 8 "
             "--paced-tokens 16 --paced-batches 1", timeout=120)
     metrics = json.loads((out / "bench_scaling.json").read_text())
+    keys.check_keys("bench_scaling", metrics)  # --workers 1,2 and the rest: every documented key pattern
     for key in ("rps_1w", "rps_2w", "p99_us_1w", "p99_us_2w", "gbps_1w", "gbps_2w", "memcpy_gbps"):
         assert metrics[key] > 0, key
     for n in (1, 2):
