@@ -321,6 +321,12 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                 if row.key == row.baseline:
                     continue  # the baseline itself: shown in the other rows' baseline column
                 ev = evaluate(row, m)
+                value = m.get(row.key)
+                if ev is None and not row.missing and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    # Measured, but its baseline was not (e.g. bench_scaling --workers 2,4 has no rps_1w).
+                    lines.append(f"| {row.label} | {fmt(row.key, value)} | {row.against or '-'} | not in this run "
+                                 f"(`{row.baseline}`) | - | {goal_text(row)} | - |")
+                    continue
                 if ev is None:
                     why = row.missing or "not in this run's JSON"
                     if row.gpu and "no GPU" in machine:

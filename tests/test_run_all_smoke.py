@@ -167,3 +167,15 @@ def test_report_shows_counts_as_counts_and_ratios_that_agree_with_their_goal():
     loop = Row(label="x", key="supervisor_loop_cpu_max", goal=("<", 0.9, "value"))
     assert value_text(loop, {"value": 0.8996, "met": True}) == "0.8996"
     assert value_text(loop, {"value": 0.941, "met": False}) == "0.941"
+
+
+def test_a_figure_whose_baseline_did_not_run_is_shown_as_measured_not_as_missing(tmp_path):
+    # bench_scaling --workers 2,4: no 1-worker fleet, so the rows against 1 worker have no baseline.
+    out, report = tmp_path / "out", tmp_path / "R.md"
+    out.mkdir()
+    scaling = {"rps_2w": 20000.0, "rps_4w": 18000.0, "p99_us_2w": 900.0, "p99_us_4w": 1200.0, **HERE}
+    (out / "bench_scaling.json").write_text(json.dumps(scaling))
+    run_all("--no-run", "--only", "bench_scaling", "--out", str(out), "--report", str(report))
+    text = report.read_text()
+    assert "| throughput, 4 workers | 18,000 req/s | 1 worker | not in this run (`rps_1w`) | - | - | - |" in text
+    assert "not measured: not in this run's JSON" not in text.split("| throughput, 4 workers |")[1].split("\n")[0]
