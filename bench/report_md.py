@@ -21,7 +21,7 @@ __all__ = ["Row", "Spec", "Outcome", "write_report", "bottleneck_text", "copy_pn
 OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 # Units by key suffix, longest first; ratios get an "x".
 # (what a key's name ends with, its unit): the first that matches counts
-UNITS = [("tokens_per_s", "tok/s"), ("per_cpu_s", "tok/CPU-s"), ("us", "us"), ("ms", "ms"), ("gbps", "GB/s"),
+UNITS = [("tokens_per_s", "tok/s"), ("per_cpu_s", "tok/CPU-s"), ("us_per_req", "us"), ("us", "us"), ("ms", "ms"), ("gbps", "GB/s"),
          ("rps", "req/s"), ("tps", "tok/s"), ("s", "s")]
 # What may follow the unit in a key: a fleet size, a bucket size, a strategy.
 TAIL = r"(_\d+w|_\d+r|_\d+c|_\d+mb|_resume|_restart|_best)?$"

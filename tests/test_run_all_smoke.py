@@ -151,6 +151,8 @@ def test_report_units_follow_what_each_key_measures():
     assert fmt("update_s_4w", 0.5) == "0.5 s"
     assert fmt("p99_us_16w", 35865.0) == "35,865 us"
     assert fmt("fleet_vs_raw_p50", 1.2) == "1.2"
+    assert fmt("loop_us_per_req_16w", 45.04) == "45.0 us"  # CPU microseconds a request
+    assert fmt("remote_client_us_per_req", 32.1) == "32.1 us"
 
 
 def test_report_shows_counts_as_counts_and_ratios_that_agree_with_their_goal():
