@@ -125,6 +125,8 @@ def test_readme_names_only_keys_that_the_scripts_document():
 def test_report_rows_of_run_all_name_documented_keys(monkeypatch):
     monkeypatch.setenv("ROLLFLEET_RUN_ALL_REEXEC", "1")  # load it here, never re-executed into another python
     run_all = load_by_path("rollfleet_bench_run_all", os.path.join(BENCH, "run_all"))
+    # run_all runs every bench_*.py (soak.py is not one, on purpose) and has report rows for each.
+    assert set(run_all.discover(None)) == set(run_all.SPECS) == {n for n in SCRIPTS if n.startswith("bench_")}
     for name, spec in run_all.SPECS.items():
         examples = {re.sub(r"\{[a-z]+\}", "1", k) for k in documented(name)}
         for row in spec.rows:
