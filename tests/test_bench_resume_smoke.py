@@ -13,16 +13,7 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
-def load_key_checks():
-    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
-    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-keys = load_key_checks()
+from . import test_bench_keys as keys  # check_keys holds each JSON to its script's docstring
 
 
 NUMBERS = [

@@ -26,16 +26,7 @@ def load_common():
 common = load_common()
 
 
-def load_key_checks():
-    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
-    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-keys = load_key_checks()
+from . import test_bench_keys as keys  # check_keys holds each JSON to its script's docstring
 
 REQUIRED = [
     "raw_rtt_p50_us", "raw_rtt_p99_us", "raw_pipelined_rps",

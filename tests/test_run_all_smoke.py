@@ -4,7 +4,6 @@ what could not run. The report goes to a temporary path, never over bench/RESULT
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,16 +18,7 @@ HERE = {"machine_cores": 2, "machine_memory_gb": 23.5, "machine_cpu": "Test CPU"
         "machine_load_1m": 0.5}
 
 
-def load_key_checks():
-    # tests/test_bench_keys.py, by path as bench/common.py is: check_keys holds each JSON to its script's docstring.
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_bench_keys.py")
-    spec = importlib.util.spec_from_file_location("rollfleet_bench_key_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-keys = load_key_checks()
+from . import test_bench_keys as keys  # check_keys holds each JSON to its script's docstring
 
 
 def run_all(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
