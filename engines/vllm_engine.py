@@ -481,15 +481,18 @@ class VllmEngine(Engine):
 
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Apply named tensors in one reload. Raises WeightsRefused (nothing loaded, the engine
-        serves on) for names a trainer's wrapper prefixed (see ``refuse_wrapped_names``), and
-        EngineDead when the reload fails."""
+        serves on) for names a trainer's wrapper prefixed (see ``refuse_wrapped_names``) or a
+        fused layer sent in part (q_proj without k_proj and v_proj, gate_proj without up_proj:
+        vLLM would rebuild it with the missing parts uninitialised), and EngineDead when the
+        reload fails."""
         self._check()
         weights = list(weights)
         refuse_wrapped_names([name for name, _ in weights])
         await self._wake_weights()
         seg, entries = await asyncio.to_thread(write_segment, weights)
         try:
-            await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries}, "commit": True})
+            _counted(await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries},
+                                                            "commit": True}))
         finally:
             os.unlink(os.path.join("/dev/shm", seg))
 
@@ -499,17 +502,20 @@ class VllmEngine(Engine):
         'nbytes'} or [name, dtype, shape, offset, nbytes], ...]}. commit=False stages a copy
         until ``commit_weights``; do that when a bucket may hold only part of a fused layer.
         Returns the number of tensors. Raises WeightsRefused (nothing loaded or staged, the
-        engine serves on) for names a trainer's wrapper prefixed, EngineDead when the reload
-        fails."""
+        engine serves on) for names a trainer's wrapper prefixed, or (commit=True) when what is
+        staged and this segment hold a fused layer only in part (as ``commit_weights``; what
+        was staged is dropped), EngineDead when the reload fails."""
         self._check()
         refuse_wrapped_names([e["name"] if isinstance(e, dict) else e[0] for e in descriptor.get("tensors") or []])
         await self._wake_weights()
-        return int(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
+        return _counted(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
 
     async def commit_weights(self) -> int:
-        """Apply everything staged by load_weights_from_descriptor(commit=False)."""
+        """Apply everything staged by load_weights_from_descriptor(commit=False). Raises
+        WeightsRefused, dropping it all and loading nothing, when it holds a fused layer only
+        in part (q_proj without k_proj and v_proj, ...): the model is then as it was."""
         self._check()
-        return int(await self._rpc("rollfleet_commit", {}))
+        return _counted(await self._rpc("rollfleet_commit", {}))
 
     async def discard_weights(self) -> int:
         """Drop staged tensors (the update was aborted)."""
@@ -555,6 +561,15 @@ class VllmEngine(Engine):
         if name is not None and name not in self._loras:
             raise ValueError(f"no LoRA adapter named {name!r} was loaded")
         self.active_lora = name
+
+
+def _counted(result: Any) -> int:
+    """A weight-loading method's count, or WeightsRefused where it refused the reload whole
+    (a fused layer, q/k/v or gate/up, sent only in part: vLLM would rebuild it with the other
+    parts uninitialised; see vllm_ext)."""
+    if isinstance(result, dict) and "refused" in result:
+        raise WeightsRefused(str(result["refused"]))
+    return int(result)
 
 
 def _sleep_mode_available() -> bool:

@@ -14,8 +14,11 @@ these segments belong to somebody else. This module never unlinks a segment.
 Weights go through the model runner's ``reload_weights(weights_iterator=...)``: editing
 parameters in place does not change vLLM's CPU output (its linear layers keep a packed copy).
 One reload must carry every part of a fused layer (q/k/v, gate/up): a layer that receives
-only some of its parts is rebuilt with the rest uninitialised. Buckets that may split a
-layer are therefore staged (copied) and applied together by ``rollfleet_commit``.
+only some of its parts is rebuilt with the rest uninitialised (on the CPU vLLM keeps no copy
+of the parts it could fill them from). Buckets that may split a layer are therefore staged
+(copied) and applied together by ``rollfleet_commit``, and a reload that would still leave a
+fused layer part-filled is refused before anything is loaded: the method returns
+``{"refused": why}`` instead of a count (nothing staged is kept), and the model is as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RollfleetWorkerExtension", "SHM_DIR", "tensor_views", "parse_entry"]
+__all__ = ["RollfleetWorkerExtension", "SHM_DIR", "tensor_views", "parse_entry", "missing_fused_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,26 @@ def tensor_views(buf: Any, entries: Sequence[Any]) -> Iterator[tuple[str, torch.
         dt = torch_dtype(dtype)
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
         yield name, raw.view(dt).reshape(shape)
+
+
+def missing_fused_parts(names: Sequence[str], packed: dict[str, list[str]] | None) -> list[str]:
+    """The names a reload of ``names`` also needs so that no fused layer is left part-filled:
+    ``packed`` is the model's ``packed_modules_mapping`` ({"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"], ...}); a name whose module is one part (``...layers.0.self_attn.q_proj.weight``)
+    needs its siblings (``...k_proj.weight``, ``...v_proj.weight``)."""
+    part_of = {part: fused for fused, parts in (packed or {}).items() for part in parts if part != fused}
+    have, missing = set(names), set()
+    for name in names:
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused = part_of.get(leaf)
+        if fused is None:
+            continue
+        for part in packed[fused]:  # type: ignore[index]
+            other = f"{parent}.{part}.{param}" if parent else f"{part}.{param}"
+            if other not in have:
+                missing.add(other)
+    return sorted(missing)
 
 
 def map_segment(name: str) -> mmap.mmap:
@@ -119,6 +142,10 @@ class RollfleetWorkerExtension:
                 return count
             weights = staged + views
             staged.clear()
+            refused = self._rollfleet_refusal([name for name, _ in weights])
+            if refused:
+                self._rollfleet_assembler = None
+                return {"refused": refused}
             self._rollfleet_reload(weights)
             return count
         finally:
@@ -134,6 +161,10 @@ class RollfleetWorkerExtension:
         staged = self._rollfleet_staged()
         weights = list(staged)
         staged.clear()
+        refused = self._rollfleet_refusal([name for name, _ in weights])
+        if refused:
+            self._rollfleet_assembler = None
+            return {"refused": refused}
         if weights:
             self._rollfleet_reload(weights)
         return len(weights)
@@ -155,6 +186,19 @@ class RollfleetWorkerExtension:
             staged = []
             self._rollfleet_staged_weights = staged
         return staged
+
+    def _rollfleet_refusal(self, names: list[str]) -> str | None:
+        """Why a reload of these names would corrupt the model (None: it would not)."""
+        missing = missing_fused_parts(names, getattr(self._rollfleet_model(), "packed_modules_mapping", None))
+        if not missing:
+            return None
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return (f"load_weights: vLLM fuses these tensors with others, which must come in the same update: "
+                f"missing {shown}; nothing was loaded")
+
+    def _rollfleet_model(self) -> Any:
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
 
     def _rollfleet_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # The worker's own reload_weights sets the current vLLM config around the runner's.

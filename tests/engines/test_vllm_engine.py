@@ -264,6 +264,46 @@ async def test_clear_kv_cache_and_unsupported_lora_and_profile(engine):
         await engine.start_profile("/nonexistent")
 
 
+async def test_a_fused_layer_sent_in_part_is_refused_whole_and_whole_layers_load_alone(engine, hf):
+    # vLLM fuses q/k/v and gate/up: a reload of only some parts rebuilt the layer with the rest
+    # uninitialised (on the CPU every token then came out 0) and said nothing.
+    from rollfleet.engines.base import WeightsRefused
+
+    original = hf.state_dict()
+    base = hf_greedy(hf, PROMPT)
+    new = perturbed(original, seed=3)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(WeightsRefused, match=r"k_proj.weight.*v_proj.weight|missing"):
+        await engine.load_weights([(q, new[q])])
+    assert not engine.dead
+    assert (await collect(engine, "part1", PROMPT, greedy()))[0] == base
+    # Staged in buckets and committed: the commit refuses it, drops what was staged, loads nothing.
+    up = "model.layers.1.mlp.up_proj.weight"
+    seg, entries = write_segment([(up, new[up]), ("lm_head.weight", new["lm_head.weight"])])
+    try:
+        assert await engine.load_weights_from_descriptor({"name": seg, "tensors": entries}, commit=False) == 2
+        with pytest.raises(WeightsRefused, match="gate_proj"):
+            await engine.commit_weights()
+    finally:
+        os.unlink(os.path.join("/dev/shm", seg))
+    assert await engine.commit_weights() == 0  # nothing was left staged
+    assert not engine.dead
+    assert (await collect(engine, "part2", PROMPT, greedy()))[0] == base
+    # Whole fused layers (and unfused tensors) load alone: the rest of the model stays as it was.
+    sent = {n: new[n] for n in new if ".layers.0.self_attn." in n and n.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                   "v_proj.weight"))}
+    sent["lm_head.weight"] = new["lm_head.weight"]
+    assert len(sent) == 4
+    await engine.load_weights(sent.items())
+    hf2 = transformers.LlamaForCausalLM.from_pretrained(engine.options["model"], dtype=torch.float32).eval()
+    hf2.load_state_dict({**original, **sent})
+    want = hf_greedy(hf2, PROMPT)
+    assert want != base
+    assert (await collect(engine, "part3", PROMPT, greedy()))[0] == want
+    await engine.load_weights(original.items())
+    assert (await collect(engine, "part4", PROMPT, greedy()))[0] == base
+
+
 async def test_failed_reload_is_fatal_and_shutdown_leaves_nothing(engine, private_dir, tmp_sockets_before):
     import psutil
 
