@@ -73,10 +73,11 @@ class Runner:
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_len = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        eos = config.eos_token_id
-        if eos is None and getattr(model, "generation_config", None) is not None:
-            eos = model.generation_config.eos_token_id
-        self.eos_token_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+        # The config's EOS and the generation config's, as vLLM stops at its tokenizer's EOS and
+        # every one of generation_config.json (transformers' generate at the latter): chat models
+        # often list the end of a turn only there (Llama 3 Instruct's <|eot_id|>).
+        generation = getattr(model, "generation_config", None)
+        self.eos_token_ids = _ids(config.eos_token_id) | _ids(getattr(generation, "eos_token_id", None))
         self.waiting: deque[Seq] = deque()
         self.batch = Batch(device)
         self.paused = self.sleeping = False
@@ -370,6 +371,11 @@ class Runner:
         profiler.export_chrome_trace(path)
         self.trace_path = path
         logger.info("profile written to %s", path)
+
+
+def _ids(value: Any) -> set[int]:
+    """Token ids given as None, one int or a list of them."""
+    return {int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None}
 
 
 MAX_LISTED = 10

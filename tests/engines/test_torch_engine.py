@@ -239,6 +239,31 @@ async def test_eos_from_the_model_config_stops_unless_ignored(tmp_path):
         await eng.shutdown()
 
 
+async def test_eos_listed_only_in_the_generation_config_stops_as_in_transformers_and_vllm(tmp_path):
+    # Chat models list the end of a turn in generation_config.json only (Llama 3 Instruct:
+    # config.json says 128001, generation_config.json [128001, 128009]); transformers' generate
+    # and vLLM stop there, the torch engine went on to max_tokens.
+    path = build_tiny_llama(str(tmp_path), seed=0)
+    prompt = prompts(1, seed=6)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    full = hf_greedy(hf, prompt, 32)
+    eos_at = next(i for i in range(2, 32) if full[i] not in full[:i] and full[i] != 2)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, full[eos_at]]
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = hf_greedy(hf, prompt, 32, ignore_eos=False)
+    assert want == full[: eos_at + 1]
+    eng = TorchEngine({"model": path})
+    await eng.start()
+    try:
+        tokens, _, reason, _ = await collect(eng, "gen-eos-on", prompt, GREEDY.replace(ignore_eos=False))
+        assert (tokens, reason) == (want, "stop")
+        assert (await collect(eng, "gen-eos-off", prompt, GREEDY))[0] == full
+    finally:
+        await eng.shutdown()
+
+
 async def test_logprobs_are_log_softmax_of_the_model_logits(engine, hf):
     prompt = prompts(1, seed=7)[0]
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=1, logprobs=True, ignore_eos=True)
