@@ -200,7 +200,34 @@ class RollfleetWorkerExtension:
         runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
 
+    def _rollfleet_tied_names(self) -> dict[str, list[str]]:
+        """{name: the other names of the same parameter} for tied parameters (lm_head.weight and
+        model.embed_tokens.weight under tie_word_embeddings), found once, before any reload."""
+        tied = getattr(self, "_rollfleet_tied", None)
+        if tied is None:
+            groups: dict[int, list[str]] = {}
+            model = self._rollfleet_model()
+            if model is not None:
+                for name, param in model.named_parameters(remove_duplicate=False):
+                    groups.setdefault(id(param), []).append(name.replace(".base_layer.", "."))
+            tied = {n: [m for m in names if m != n] for names in groups.values() if len(set(names)) > 1 for n in names}
+            self._rollfleet_tied = tied
+        return tied
+
     def _rollfleet_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # A trainer's named_parameters() gives a tied parameter once (model.embed_tokens.weight
+        # without lm_head.weight); vLLM's reload rebuilds each layer from what it is sent, and
+        # on the CPU lm_head then kept its old packed copy: each tied name gets the tensor too.
+        tied = self._rollfleet_tied_names()
+        if tied:
+            names = {name for name, _ in weights}
+            extra = []
+            for name, tensor in weights:
+                for other in tied.get(name, ()):
+                    if other not in names:
+                        names.add(other)
+                        extra.append((other, tensor))
+            weights = weights + extra
         # The worker's own reload_weights sets the current vLLM config around the runner's.
         reload = getattr(self, "reload_weights", None) or self.model_runner.reload_weights
         reload(weights_iterator=weights)

@@ -390,3 +390,33 @@ async def test_an_engine_whose_vllm_engine_process_died_is_dead(tmp_path):
     assert engine.dead and engine.stats()["dead"]
     with pytest.raises(EngineDead, match="engine process died"):
         await engine.clear_kv_cache()
+
+
+async def test_tied_embeddings_update_from_named_parameters_reaches_the_lm_head(tmp_path):
+    # Qwen2.5 0.5B-3B, Llama 3.2 1B/3B tie lm_head to the embeddings: their named_parameters()
+    # (what a trainer sends) hold model.embed_tokens.weight and no lm_head.weight. vLLM rebuilt
+    # lm_head from nothing and, on the CPU, kept computing logits with the old embeddings.
+    from rollfleet.engines.tiny import TINY_LLAMA
+
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": True}, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    base = hf_greedy(model, PROMPT)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    sent = [(name, p.detach().clone()) for name, p in model.named_parameters()]
+    assert "model.embed_tokens.weight" in dict(sent) and "lm_head.weight" not in dict(sent)
+    want = hf_greedy(model, PROMPT)
+    assert want != base
+    engine = VllmEngine({"model": str(tmp_path), "dtype": "float32", "seed": 0})
+    await engine.start()
+    try:
+        assert (await collect(engine, "tied0", PROMPT, greedy()))[0] == base
+        await engine.load_weights(sent)
+        assert (await collect(engine, "tied1", PROMPT, greedy()))[0] == want
+    finally:
+        await engine.shutdown()
