@@ -350,12 +350,19 @@ class VllmEngine(Engine):
         if params.max_tokens == 0:
             yield EngineOutput([], [] if params.logprobs else None, FinishReason.LENGTH.value)
             return
+        try:
+            # vLLM checks its own ranges here (a temperature above 2, ...), before the request is
+            # counted as running.
+            sampling = self._sampling(params)
+        except Exception as exc:
+            if _client_error(exc) or isinstance(exc, ValueError):
+                raise InvalidRequest(f"vllm refused request {request_id}: {exc}", code="bad_field",
+                                     request_id=request_id) from exc
+            raise
         lora = self._loras.get(self.active_lora) if self.active_lora else None
         self.num_requests += 1
         self._running.add(request_id)
-        stream = llm.generate(
-            {"prompt_token_ids": list(prompt_ids)}, self._sampling(params), request_id, lora_request=lora
-        )
+        stream = llm.generate({"prompt_token_ids": list(prompt_ids)}, sampling, request_id, lora_request=lora)
         finished = False
         try:
             async for out in stream:

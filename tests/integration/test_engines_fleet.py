@@ -297,6 +297,21 @@ async def test_vllm_fleet_refuses_prompts_the_model_cannot_take(vllm_fleet, hf):
     await refuses_bad_prompts_and_serves_on(vllm_fleet, hf, 512, "v")  # the fleet's max_model_len
 
 
+@pytest.mark.vllm
+async def test_vllm_fleet_refuses_sampling_vllm_refuses_as_bad_field_and_serves_on(vllm_fleet, hf):
+    # vLLM checks its own ranges when the request's sampling is built (a temperature above 2):
+    # that error left the adapter raw, so the client got engine_error, and the request stayed
+    # counted as running in the engine's stats.
+    client = vllm_fleet.client()
+    with pytest.raises(InvalidRequest, match="temperature") as info:
+        await client.generate("v-bad-sampling", PROMPTS[0], SamplingParams(max_tokens=4, temperature=3.0))
+    assert info.value.code == "bad_field"
+    r = await client.generate("v-good-sampling", PROMPTS[0], greedy())
+    assert r.token_ids == hf_greedy(hf, PROMPTS[0])
+    [worker] = (await vllm_fleet.stats())["workers"]
+    assert worker["engine_stats"]["num_running"] == 0 and worker["restarts"] == 0
+
+
 async def update_and_check(sup: Supervisor, new_state: dict, want: list[list[int]], tag: str) -> list:
     report = await sup.client().update_weights(list(new_state.items()), version=V1)
     assert report.ok and report.version == V1 and set(report.workers) == set(sup.workers)
