@@ -7,7 +7,8 @@ processes still alive afterwards.
 
 Weights reach the model through vLLM's worker process: tensors are written into a POSIX
 shared-memory segment and an extension method (``vllm_ext.RollfleetWorkerExtension``) maps it
-and calls the model runner's ``reload_weights``. A failed reload leaves the model half
+and calls the model runner's ``reload_weights``; the prefix cache, whose blocks hold the old
+weights' KV, is reset after each. A failed reload leaves the model half
 loaded (meta tensors), so it raises ``EngineDead`` and the engine refuses further work.
 
 Options: ``model`` (dir, required), ``max_model_len`` (512), ``gpu_memory_utilization``,
@@ -161,6 +162,7 @@ class VllmEngine(Engine):
         self._paused = False
         self._sleep_level = 0  # the level vLLM sleeps at; 0: awake
         self._weights_awake = True  # its weights' GPU memory is mapped (asleep: until a load needs it)
+        self._stale_prefix = False  # the prefix cache may hold KV of older weights (see _drop_prefix_cache)
         self._children: list[Any] = []
         self._run_dir: str | None = None
         self._shm_names: set[str] = set()
@@ -359,6 +361,8 @@ class VllmEngine(Engine):
                 raise InvalidRequest(f"vllm refused request {request_id}: {exc}", code="bad_field",
                                      request_id=request_id) from exc
             raise
+        if self._stale_prefix and not self._running:
+            await self._drop_prefix_cache()
         lora = self._loras.get(self.active_lora) if self.active_lora else None
         self.num_requests += 1
         self._running.add(request_id)
@@ -487,7 +491,8 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ weights
 
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Apply named tensors in one reload. Raises WeightsRefused (nothing loaded, the engine
+        """Apply named tensors in one reload, then drop the prefix cache (its blocks hold the old
+        weights' KV: see ``_drop_prefix_cache``). Raises WeightsRefused (nothing loaded, the engine
         serves on) for names a trainer's wrapper prefixed (see ``refuse_wrapped_names``) or a
         fused layer sent in part (q_proj without k_proj and v_proj, gate_proj without up_proj:
         vLLM would rebuild it with the missing parts uninitialised), and EngineDead when the
@@ -502,6 +507,7 @@ class VllmEngine(Engine):
                                                             "commit": True}))
         finally:
             os.unlink(os.path.join("/dev/shm", seg))
+        await self._drop_prefix_cache()
 
     async def load_weights_from_descriptor(self, descriptor: dict[str, Any], *, commit: bool = True) -> int:
         """Load the tensors of a segment somebody else created and still owns (never unlinked
@@ -515,19 +521,37 @@ class VllmEngine(Engine):
         self._check()
         refuse_wrapped_names([e["name"] if isinstance(e, dict) else e[0] for e in descriptor.get("tensors") or []])
         await self._wake_weights()
-        return _counted(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
+        count = _counted(await self._rpc("rollfleet_load_shm", {"descriptor": descriptor, "commit": commit}))
+        if commit:
+            await self._drop_prefix_cache()
+        return count
 
     async def commit_weights(self) -> int:
         """Apply everything staged by load_weights_from_descriptor(commit=False). Raises
         WeightsRefused, dropping it all and loading nothing, when it holds a fused layer only
         in part (q_proj without k_proj and v_proj, ...): the model is then as it was."""
         self._check()
-        return _counted(await self._rpc("rollfleet_commit", {}))
+        count = _counted(await self._rpc("rollfleet_commit", {}))
+        if count:
+            await self._drop_prefix_cache()
+        return count
 
     async def discard_weights(self) -> int:
         """Drop staged tensors (the update was aborted)."""
         self._check()
         return int(await self._rpc("rollfleet_discard", {}))
+
+    async def _drop_prefix_cache(self) -> None:
+        """After new weights: vLLM's prefix cache keeps the KV blocks of earlier prompts, computed
+        with the old weights, and a later prompt that starts alike would reuse them. vLLM resets
+        it only while no request holds blocks (a fleet aborts its requests before an update);
+        when some still run, it is reset at the first request that comes once none do."""
+        llm = self.llm
+        if llm is None or not hasattr(llm, "reset_prefix_cache"):
+            return
+        self._stale_prefix = not await llm.reset_prefix_cache()
+        if self._stale_prefix:
+            logger.info("vllm kept its prefix cache after a weight load (requests still run); reset later")
 
     async def _rpc(self, method: str, kwargs: dict[str, Any]) -> Any:
         try:

@@ -210,6 +210,30 @@ async def test_load_from_descriptor_leaves_the_callers_segment(engine, hf):
             os.unlink(os.path.join("/dev/shm", seg))
 
 
+async def test_a_prompt_seen_before_an_update_gets_the_new_weights_not_its_cached_kv(engine, hf):
+    # vLLM's prefix cache kept the KV blocks of prompts run before an update (computed with the
+    # old weights) and reused them for a prompt starting alike: neither model's tokens came out.
+    # The prompt spans full cache blocks (128 tokens on the CPU, 16 on a GPU).
+    prompt = [1] + [(7 * i) % 500 + 3 for i in range(300)]
+    original = hf.state_dict()
+    new = perturbed(original, seed=4)
+    hf2 = transformers.LlamaForCausalLM.from_pretrained(engine.options["model"], dtype=torch.float32).eval()
+    hf2.load_state_dict(new)
+    base, want = hf_greedy(hf, prompt, 16), hf_greedy(hf2, prompt, 16)
+    assert base != want
+    assert (await collect(engine, "pc0", prompt, greedy(16)))[0] == base
+    await engine.load_weights(new.items())
+    assert (await collect(engine, "pc1", prompt, greedy(16)))[0] == want
+    # The fleet's way: buckets staged, then one commit.
+    seg, entries = write_segment(original.items())
+    try:
+        await engine.load_weights_from_descriptor({"name": seg, "tensors": entries}, commit=False)
+        await engine.commit_weights()
+    finally:
+        os.unlink(os.path.join("/dev/shm", seg))
+    assert (await collect(engine, "pc2", prompt, greedy(16)))[0] == base
+
+
 async def started_stream(engine, request_id: str, max_tokens: int):
     """A greedy generation run in a task (it returns the finish reason) and the list its tokens
     go into, once its first token has come."""
