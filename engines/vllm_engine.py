@@ -526,6 +526,25 @@ class VllmEngine(Engine):
             await self._drop_prefix_cache()
         return count
 
+    async def stage_weights(self, weights: Iterable[tuple[str, Any]]) -> int:
+        """Copy named tensors into vLLM's worker without applying them, as
+        ``load_weights_from_descriptor(commit=False)`` does with a segment: ``commit_weights``
+        applies everything staged in one reload, ``discard_weights`` drops it. For buckets of
+        the transports without segments (zmq, a collective, cuda_ipc), any of which may hold
+        only part of a fused layer. Returns the number of tensors. Raises WeightsRefused for
+        names a trainer's wrapper prefixed, EngineDead when the copy fails."""
+        self._check()
+        weights = list(weights)
+        refuse_wrapped_names([name for name, _ in weights])
+        await self._wake_weights()
+        seg, entries = await asyncio.to_thread(write_segment, weights)
+        try:
+            # The worker keeps copies of staged tensors: the segment can go at once.
+            return _counted(await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries},
+                                                                   "commit": False}))
+        finally:
+            os.unlink(os.path.join("/dev/shm", seg))
+
     async def commit_weights(self) -> int:
         """Apply everything staged by load_weights_from_descriptor(commit=False). Raises
         WeightsRefused, dropping it all and loading nothing, when it holds a fused layer only

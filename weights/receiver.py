@@ -29,6 +29,11 @@ transport it is called once per bucket with ``{'shm_name', 'size', 'tensors'}``,
 ``tensors`` are the raw entries (split parts not joined: use ``bucket.Assembler`` on that
 side) and ``shm_name`` is a file in /dev/shm to map with ``shm.attach``. The segment names
 then stay alive for the whole update; this receiver unlinks them if the sender dies.
+
+Staging: an engine with ``commit_weights`` and ``discard_weights`` (vLLM) is handed the
+buckets staged (``commit=False``, or ``stage_weights(pairs)`` on the other transports) and
+applies them all at the end's commit, since a bucket may hold only part of a fused layer
+(q/k/v, gate/up) and vLLM rebuilds a layer from what one reload carries.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class _Update:
     applied: bool = False
     """Tensors of it reached the engine's load_weights (not staged, not collected for a LoRA
     adapter): they cannot be taken back."""
+    staged: bool = False
+    """Buckets went to the engine's stage_weights: applied together by commit_weights at the end."""
     lora: dict[str, Any] | None = None
     """Set when the update carries a LoRA adapter: its tensors are collected, not loaded."""
     lora_tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
@@ -142,6 +149,9 @@ class WeightReceiver:
         self._can_stage = callable(getattr(engine, "commit_weights", None)) and callable(
             getattr(engine, "discard_weights", None)
         )
+        # ... and that can hold the tensors of buckets without segments too (zmq, collective,
+        # cuda_ipc), which would otherwise reach load_weights one bucket at a time.
+        self._stage_pairs = self._can_stage and callable(getattr(engine, "stage_weights", None))
         # Buckets of one update must be handled in order (collectives pair up by order);
         # asyncio.Lock wakes waiters first-come first-served.
         self._lock = asyncio.Lock()
@@ -252,7 +262,7 @@ class WeightReceiver:
                 return await self._begin(msg)
             up = self._update
             if isinstance(msg, WeightsEnd) and msg.commit and up is not None and up.failed and up.uid == _update_id(msg.id):
-                if self._can_stage and up.descriptor:
+                if self._can_stage and (up.descriptor or up.staged):
                     await self.engine.discard_weights()
                 self._drop(sender_gone=False)
                 raise EngineFailed(f"update to v{msg.version} not committed: a bucket of it failed")
@@ -271,7 +281,8 @@ class WeightReceiver:
                     raise EngineFailed(f"engine failed to load LoRA adapter: {type(exc).__name__}: {exc}") from exc
                 return self._end(msg)
             if isinstance(msg, WeightsEnd):
-                staged = self._can_stage and self._update is not None and self._update.descriptor
+                staged = self._can_stage and self._update is not None and (self._update.descriptor
+                                                                           or self._update.staged)
                 if staged and not msg.commit:
                     await self.engine.discard_weights()
                 if staged and msg.commit:
@@ -479,6 +490,10 @@ class WeightReceiver:
                 if up.lora is not None:
                     # Views of a buffer the sender reuses: keep copies until the adapter is loaded.
                     up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
+                elif pairs and self._stage_pairs:
+                    # As with segments: a bucket may hold only part of a fused layer (vLLM's q/k/v).
+                    await self.engine.stage_weights(pairs)
+                    up.staged = True
                 elif pairs:
                     await self.engine.load_weights(pairs)
                     up.applied = True
@@ -488,7 +503,8 @@ class WeightReceiver:
                     pending.record(torch.cuda.current_stream(buf.device if buf.is_cuda else views[0][1].device))
                     up.on_gpu = True
         except BaseException as exc:
-            if not up.descriptor and up.lora is None and (up.applied or not isinstance(exc, WeightsRefused)):
+            if not up.descriptor and up.lora is None and (up.applied or not (isinstance(exc, WeightsRefused)
+                                                                             or self._stage_pairs)):
                 # The engine may have applied part of this bucket (or earlier ones) already; one
                 # that refused it whole (WeightsRefused) applied none of it.
                 self.version = -1

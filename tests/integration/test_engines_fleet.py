@@ -342,6 +342,28 @@ async def test_vllm_fleet_loads_the_same_new_weights_and_agrees_with_torch(vllm_
     assert [r.token_ids for r in from_vllm] == [r.token_ids for r in from_torch]
 
 
+@pytest.mark.vllm
+async def test_vllm_fleet_takes_updates_whose_small_buckets_split_fused_layers_over_zmq(vllm_fleet, hf, hf_new,
+                                                                                        new_state):
+    # Over zmq (and a collective, standalone mode's transport) each bucket reached vLLM as a
+    # reload of its own: a bucket holding q_proj without k_proj and v_proj left that layer
+    # part-uninitialised (or, refused, failed the update). Staged like shm's buckets, they are
+    # applied together at the end.
+    client = vllm_fleet.client()
+    original = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    small = original["model.layers.0.self_attn.q_proj.weight"].nbytes + 64  # about one projection a bucket
+    report = await client.update_weights(list(original.items()), version=V1 + 100, transport="zmq",
+                                         bucket_bytes=small)
+    assert report.ok and report.num_buckets > 10
+    results = await all_greedy(vllm_fleet, "v-zmq-old", PROMPTS)
+    assert [r.token_ids for r in results] == [hf_greedy(hf, p) for p in PROMPTS]
+    report = await client.update_weights(list(new_state.items()), version=V1, transport="zmq", bucket_bytes=small)
+    assert report.ok
+    results = await all_greedy(vllm_fleet, "v-zmq-new", PROMPTS)
+    assert [r.token_ids for r in results] == [hf_greedy(hf_new, p) for p in PROMPTS]
+    assert all(r.weight_versions == [V1] for r in results)
+
+
 # ---------------------------------------------------------------------------- control ops
 
 
