@@ -152,6 +152,7 @@ class WeightReceiver:
         # ... and that can hold the tensors of buckets without segments too (zmq, collective,
         # cuda_ipc), which would otherwise reach load_weights one bucket at a time.
         self._stage_pairs = self._can_stage and callable(getattr(engine, "stage_weights", None))
+        self._staged_left = False  # buckets were staged and neither committed nor discarded since
         # Buckets of one update must be handled in order (collectives pair up by order);
         # asyncio.Lock wakes waiters first-come first-served.
         self._lock = asyncio.Lock()
@@ -264,6 +265,7 @@ class WeightReceiver:
             if isinstance(msg, WeightsEnd) and msg.commit and up is not None and up.failed and up.uid == _update_id(msg.id):
                 if self._can_stage and (up.descriptor or up.staged):
                     await self.engine.discard_weights()
+                    self._staged_left = False
                 self._drop(sender_gone=False)
                 raise EngineFailed(f"update to v{msg.version} not committed: a bucket of it failed")
             if isinstance(msg, WeightsEnd) and msg.commit and self._update is not None and self._update.lora:
@@ -285,9 +287,11 @@ class WeightReceiver:
                                                                            or self._update.staged)
                 if staged and not msg.commit:
                     await self.engine.discard_weights()
+                    self._staged_left = False
                 if staged and msg.commit:
                     self._current(msg.id)  # refuse an end that does not match the update
                     try:
+                        self._staged_left = False  # committed, or dropped by the refusal
                         await self.engine.commit_weights()
                     except Exception as exc:
                         self._drop(sender_gone=False)
@@ -328,6 +332,11 @@ class WeightReceiver:
             if self._update.uid != uid:  # the same update begun again (fresh buffers) is expected
                 logger.warning("weight update %s abandoned; starting %s", self._update.uid, uid)
             self._drop(sender_gone=not self._sender_alive(self._update))
+        if self._staged_left:
+            # An update abandoned after some of its buckets were staged (its sender died, or
+            # began again): they must not be applied with this one's commit.
+            await self.engine.discard_weights()
+            self._staged_left = False
         if msg.transport not in TRANSPORTS:
             raise InvalidRequest(f"unknown weights transport {msg.transport!r}")
         up = _Update(uid=uid, version=msg.version, transport=msg.transport, assembler=self._assembler)
@@ -477,6 +486,7 @@ class WeightReceiver:
                 # Staged until WeightsEnd when the engine can (vLLM): a bucket may hold only part
                 # of a fused layer, and applying it alone would corrupt the model.
                 if self._can_stage:
+                    self._staged_left = True
                     result = self.engine.load_weights_from_descriptor(desc, commit=False)
                 else:
                     result = self.engine.load_weights_from_descriptor(desc)
@@ -492,8 +502,8 @@ class WeightReceiver:
                     up.lora_tensors.extend((name, t.clone()) for name, t in pairs)
                 elif pairs and self._stage_pairs:
                     # As with segments: a bucket may hold only part of a fused layer (vLLM's q/k/v).
+                    self._staged_left = up.staged = True
                     await self.engine.stage_weights(pairs)
-                    up.staged = True
                 elif pairs:
                     await self.engine.load_weights(pairs)
                     up.applied = True

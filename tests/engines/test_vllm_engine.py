@@ -234,6 +234,42 @@ async def test_a_prompt_seen_before_an_update_gets_the_new_weights_not_its_cache
     assert (await collect(engine, "pc2", prompt, greedy(16)))[0] == base
 
 
+def zmq_bucket(tensors: dict) -> tuple[list[dict], bytes]:
+    """A zmq-transport bucket: its tensor entries and its one frame."""
+    entries, frame = [], bytearray()
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": len(frame), "nbytes": len(raw)})
+        frame += raw + bytes(-len(raw) % 64)
+    return entries, bytes(frame)
+
+
+async def test_buckets_staged_by_an_abandoned_update_are_not_applied_with_the_next(engine, hf):
+    # The receiver stages vLLM's buckets until the update's end; an update abandoned half-way
+    # (its sender died) left them staged, and the next update's commit applied them too.
+    from rollfleet.transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
+    from rollfleet.weights.receiver import WeightReceiver
+
+    original = hf.state_dict()
+    base = hf_greedy(hf, PROMPT)
+    receiver = WeightReceiver(engine)
+    new = perturbed(original, seed=5)
+    entries, frame = zmq_bucket({"lm_head.weight": new["lm_head.weight"]})
+    await receiver.handle(WeightsBegin(id="u1.begin", version=7, transport="zmq", bucket_bytes=len(frame),
+                                       buffers=[{"size": len(frame)}]))
+    await receiver.handle(WeightsBucket(id="u1.0", index=0, buffer=0, tensors=entries), [frame])
+    # u1 never ends; u2 sends one unrelated tensor and commits.
+    entries, frame = zmq_bucket({"model.norm.weight": original["model.norm.weight"]})
+    await receiver.handle(WeightsBegin(id="u2.begin", version=8, transport="zmq", bucket_bytes=len(frame),
+                                       buffers=[{"size": len(frame)}]))
+    await receiver.handle(WeightsBucket(id="u2.0", index=0, buffer=0, tensors=entries), [frame])
+    await receiver.handle(WeightsEnd(id="u2.end", version=8))
+    assert receiver.version == 8
+    assert (await collect(engine, "abandoned", PROMPT, greedy()))[0] == base
+    receiver.close()
+
+
 async def started_stream(engine, request_id: str, max_tokens: int):
     """A greedy generation run in a task (it returns the finish reason) and the list its tokens
     go into, once its first token has come."""
