@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from ..actors.process import kmp_names, record_shm, shm_names_mapped, unlink_shm
+from ..actors.process import claim_private_dir, kmp_names, record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
 from .base import Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt, wrapper_hint
@@ -186,6 +186,9 @@ class VllmEngine(Engine):
         if not private:
             private = tempfile.mkdtemp(prefix="rollfleet-vllm-")
             self._own_private = True
+            # Marked as this process's, as a fleet's private directory is: if it is killed, the
+            # next fleet started on this machine removes the directory and the shm names it lists.
+            claim_private_dir(private)
         os.makedirs(private, mode=0o700, exist_ok=True)
         # Our own subdirectory for sockets and temp files, so shutdown can remove exactly it.
         self._run_dir = tempfile.mkdtemp(prefix="vllm-", dir=private)

@@ -480,3 +480,55 @@ async def test_tied_embeddings_update_from_named_parameters_reaches_the_lm_head(
         assert (await collect(engine, "tied1", PROMPT, greedy()))[0] == want
     finally:
         await engine.shutdown()
+
+
+async def test_a_killed_process_s_own_engine_directory_is_removed_by_the_next_fleet_s_sweep(model_dir):
+    # An engine given no private_dir makes its own under the temp dir; a process killed with it
+    # (a bench, a notebook) left it behind for good, vLLM's sockets and shm list inside.
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from rollfleet.actors.process import is_resource_tracker, kill_tree, sweep_private_dirs
+
+    script = (
+        "import asyncio, sys\n"
+        "from rollfleet.engines.vllm_engine import VllmEngine\n"
+        "async def main():\n"
+        f"    engine = VllmEngine({{'model': {model_dir!r}, 'dtype': 'float32'}})\n"
+        "    await engine.start()\n"
+        "    print('run dir', engine._run_dir, flush=True)\n"
+        "    await asyncio.sleep(600)\n"
+        "asyncio.run(main())\n"
+    )
+    root = tempfile.mkdtemp(prefix="rf-")  # short: vLLM's socket paths inside must fit in 107 bytes
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": root}, start_new_session=True)
+    try:
+        def run_dir() -> str:  # vLLM logs on stdout too
+            for line in proc.stdout:
+                if line.startswith("run dir "):
+                    return line.removeprefix("run dir ").strip()
+            return ""
+
+        own = os.path.dirname(await asyncio.wait_for(asyncio.to_thread(run_dir), 180))
+        assert os.path.basename(own).startswith("rollfleet-vllm-") and os.path.dirname(own) == root
+        assert sweep_private_dirs(root) == [] and os.path.isdir(own)  # its owner lives: left alone
+        children = psutil.Process(proc.pid).children(recursive=True)  # vLLM's, and Python's resource tracker
+    finally:
+        # The process and vLLM's, as a job manager kills a tree; Python's resource tracker is
+        # spared, as a fleet spares it: once the others are gone it unlinks their semaphores.
+        kill_tree(proc.pid, signal.SIGKILL, spare=is_resource_tracker)
+        proc.wait(30)
+        proc.stdout.close()
+    try:
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+        assert os.path.isdir(own)
+        assert sweep_private_dirs(root) == [own]
+        assert not os.path.exists(own)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
