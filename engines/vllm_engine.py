@@ -500,16 +500,7 @@ class VllmEngine(Engine):
         fused layer sent in part (q_proj without k_proj and v_proj, gate_proj without up_proj:
         vLLM would rebuild it with the missing parts uninitialised), and EngineDead when the
         reload fails."""
-        self._check()
-        weights = list(weights)
-        refuse_wrapped_names([name for name, _ in weights])
-        await self._wake_weights()
-        seg, entries = await asyncio.to_thread(write_segment, weights)
-        try:
-            _counted(await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries},
-                                                            "commit": True}))
-        finally:
-            os.unlink(os.path.join("/dev/shm", seg))
+        await self._through_segment(weights, commit=True)
         await self._drop_prefix_cache()
 
     async def load_weights_from_descriptor(self, descriptor: dict[str, Any], *, commit: bool = True) -> int:
@@ -536,15 +527,19 @@ class VllmEngine(Engine):
         the transports without segments (zmq, a collective, cuda_ipc), any of which may hold
         only part of a fused layer. Returns the number of tensors. Raises WeightsRefused for
         names a trainer's wrapper prefixed, EngineDead when the copy fails."""
+        return await self._through_segment(weights, commit=False)
+
+    async def _through_segment(self, weights: Iterable[tuple[str, Any]], *, commit: bool) -> int:
+        """Write named tensors into a segment of our own and have vLLM's worker load them from
+        it (``commit``) or stage copies; the segment goes at once either way."""
         self._check()
         weights = list(weights)
         refuse_wrapped_names([name for name, _ in weights])
         await self._wake_weights()
         seg, entries = await asyncio.to_thread(write_segment, weights)
         try:
-            # The worker keeps copies of staged tensors: the segment can go at once.
             return _counted(await self._rpc("rollfleet_load_shm", {"descriptor": {"name": seg, "tensors": entries},
-                                                                   "commit": False}))
+                                                                   "commit": commit}))
         finally:
             os.unlink(os.path.join("/dev/shm", seg))
 
