@@ -13,20 +13,9 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
-
-def load_common():
-    # bench/ is not a package: load its helper module by path, under a name that cannot
-    # clash with anything else called `common`.
-    spec = importlib.util.spec_from_file_location("rollfleet_bench_common", os.path.join(BENCH, "common.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-common = load_common()
-
-
 from . import test_bench_keys as keys  # check_keys holds each JSON to its script's docstring
+
+common = keys.common  # bench/common.py, loaded by path there (bench/ is not a package)
 
 REQUIRED = [
     "raw_rtt_p50_us", "raw_rtt_p99_us", "raw_pipelined_rps",
