@@ -758,12 +758,20 @@ async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers
     await sup.start()
     workers_sock = os.path.join(sup.private_dir, "workers.sock")
     assert front.exists() and os.path.exists(workers_sock)
-    pids = [h.pid for h in sup.workers.values()]
-    task = asyncio.create_task(sup.shutdown())
-    await asyncio.sleep(0)  # shutdown has begun: the workers were told, none has exited yet
-    assert any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
-    assert not front.exists() and not os.path.exists(workers_sock)
+    held = next(iter(sup.workers.values())).pid
+    # One worker is held stopped, so that it is certainly still running when the files are
+    # checked (on a loaded machine both could otherwise take their shutdown message and exit
+    # before this task runs again).
+    os.kill(held, signal.SIGSTOP)
+    try:
+        task = asyncio.create_task(sup.shutdown())
+        await asyncio.sleep(0)  # shutdown has begun: the workers were told
+        assert psutil.Process(held).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        assert not front.exists() and not os.path.exists(workers_sock)
+    finally:
+        os.kill(held, signal.SIGCONT)
     await task
+    assert not psutil.pid_exists(held) or psutil.Process(held).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(sup.private_dir)
 
 
