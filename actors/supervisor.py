@@ -207,6 +207,10 @@ class Supervisor:
         self._metrics: MetricsExporter | None = None
         self._leftovers = _Leftovers()
         self._collected: weakref.finalize | None = None  # set by start()
+        # The private copy of the sampling params the last request came with, and its wire map:
+        # a rollout step's requests share one SamplingParams, which is then copied and mapped
+        # once, not per request. (caller's object, its stop ids then, the copy, the copy's map)
+        self._params_memo: tuple[SamplingParams, list[int], SamplingParams, dict[str, Any]] | None = None
 
     # ================================================================== lifecycle
     async def __aenter__(self) -> "Supervisor":
@@ -893,12 +897,21 @@ class Supervisor:
                     raise InvalidRequest(f"generate {request_id!r}: prompt_ids must be a list of ints (a tensor's or "
                                          f"array's tolist() gives them)", code="bad_field", request_id=request_id)
                 prompt_ids = plain
+        if not owned:
+            # A private deep copy: callers' objects are never mutated. SamplingParams is frozen
+            # but for its stop list, so the same object with the same stop ids needs no new one.
+            memo = self._params_memo
+            if memo is not None and memo[0] is params and memo[1] == params.stop_token_ids:
+                params = memo[2]
+            else:
+                private = params.replace()
+                self._params_memo = (params, list(params.stop_token_ids), private, private.to_wire())
+                params = private
         entry = Entry(
             origin=origin,
             request_id=request_id,
             prompt_ids=prompt_ids,
-            # a private deep copy: callers' objects are never mutated
-            params=params if owned else params.replace(),
+            params=params,
             sink=sink,
             stream=stream,
             session_id=session_id,
@@ -938,13 +951,17 @@ class Supervisor:
         self.router.on_dispatch(handle.worker_id)
         if entry.t_dispatched is None:
             entry.t_dispatched = time.monotonic()
-        params = entry.params
+        params: SamplingParams | dict[str, Any] = entry.params
         if entry.token_ids:  # a resumed request continues from its partial output
-            if params.seed is None:
-                params = params.replace(max_tokens=entry.remaining_tokens)
+            if entry.params.seed is None:
+                params = entry.params.replace(max_tokens=entry.remaining_tokens)
             else:
-                params = params.replace(max_tokens=entry.remaining_tokens,
-                                        seed=resume_seed(params.seed, len(entry.token_ids)))
+                params = entry.params.replace(max_tokens=entry.remaining_tokens,
+                                              seed=resume_seed(entry.params.seed, len(entry.token_ids)))
+        else:
+            memo = self._params_memo
+            if memo is not None and memo[2] is params:
+                params = memo[3]  # its wire map, made once (msgpack only reads it)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
         try:

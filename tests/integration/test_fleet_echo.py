@@ -92,6 +92,24 @@ async def test_stop_token_ends_generation():
         assert result.token_ids == toks[:5] and result.finish_reason == "stop"
 
 
+async def test_one_sampling_params_reused_with_its_stop_list_changed_in_place_stops_each_request_at_its_own():
+    # The fleet copies a SamplingParams once while the same object comes back unchanged (a
+    # rollout step's requests share one); a stop list changed in place between requests is a
+    # change, and a request already running keeps the list it was sent with.
+    async with fleet(1) as sup:
+        client = sup.client()
+        toks = expected_tokens([3], 20)
+        params = SamplingParams(max_tokens=20, stop_token_ids=[toks[4]], temperature=0)
+        first = await client.generate("s1", [3], params)
+        params.stop_token_ids[:] = [toks[9]]
+        second = await client.generate("s2", [3], params)
+        params.stop_token_ids.clear()
+        third, fourth = await client.generate_batch([[3], [3]], params)
+        assert first.token_ids == toks[:5] and second.token_ids == toks[:10]
+        assert third.token_ids == fourth.token_ids == toks and third.finish_reason == "length"
+        assert first.finish_reason == second.finish_reason == "stop"
+
+
 async def test_abort_one_of_many_leaves_others_untouched():
     async with fleet(2, engine_options={"tokens_per_s": 200}) as sup:
         client = sup.client()
