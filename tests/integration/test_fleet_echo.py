@@ -95,7 +95,7 @@ async def test_stop_token_ends_generation():
 async def test_one_sampling_params_reused_with_its_stop_list_changed_in_place_stops_each_request_at_its_own():
     # The fleet copies a SamplingParams once while the same object comes back unchanged (a
     # rollout step's requests share one); a stop list changed in place between requests is a
-    # change, and a request already running keeps the list it was sent with.
+    # change, and each request stops at the list it came with.
     async with fleet(1) as sup:
         client = sup.client()
         toks = expected_tokens([3], 20)
