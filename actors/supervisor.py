@@ -951,22 +951,21 @@ class Supervisor:
         self.router.on_dispatch(handle.worker_id)
         if entry.t_dispatched is None:
             entry.t_dispatched = time.monotonic()
-        params: SamplingParams | dict[str, Any] = entry.params
+        params = entry.params
+        sampling: SamplingParams | dict[str, Any] = params  # what is encoded: the params, or their wire map
         if entry.token_ids:  # a resumed request continues from its partial output
-            if entry.params.seed is None:
-                params = entry.params.replace(max_tokens=entry.remaining_tokens)
+            if params.seed is None:
+                sampling = params.replace(max_tokens=entry.remaining_tokens)
             else:
-                params = entry.params.replace(max_tokens=entry.remaining_tokens,
-                                              seed=resume_seed(entry.params.seed, len(entry.token_ids)))
-        else:
-            memo = self._params_memo
-            if memo is not None and memo[2] is params:
-                params = memo[3]  # its wire map, made once (msgpack only reads it)
+                sampling = params.replace(max_tokens=entry.remaining_tokens,
+                                          seed=resume_seed(params.seed, len(entry.token_ids)))
+        elif self._params_memo is not None and self._params_memo[2] is params:
+            sampling = self._params_memo[3]  # its wire map, made once (msgpack only reads it)
         # Encoded before anything else runs, so the first attempt can send the entry's own list.
         prompt_ids = entry.prompt_ids + entry.token_ids if entry.token_ids else entry.prompt_ids
         try:
-            # = Generate(id=inner, prompt_ids=..., sampling=params, stream=entry.stream), encoded
-            header = codec.encode_values(Generate, inner, prompt_ids, params, entry.stream, None, None)
+            # = Generate(id=inner, prompt_ids=..., sampling=sampling, stream=entry.stream), encoded
+            header = codec.encode_values(Generate, inner, prompt_ids, sampling, entry.stream, None, None)
         except (OverflowError, ValueError, TypeError) as exc:  # an id msgpack cannot carry (2**64, say)
             self.router.on_finish(handle.worker_id)
             self.table.unbind(entry)
