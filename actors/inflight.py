@@ -55,6 +55,8 @@ class Entry:
     t_created: float = field(default_factory=time.monotonic)
     t_dispatched: float | None = None
     t_first_token: float | None = None
+    t_worker: float | None = None
+    """Seconds on workers, summed over attempts (the 'worker' timing their results report)."""
 
     @property
     def key(self) -> tuple[str, str]:

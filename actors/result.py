@@ -25,6 +25,8 @@ class GenerationResult:
     worker: str = ""
     """The worker it ran on last (after a resume, the one it was resumed on); "" if none."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: 'total', 'queue', 'first_token' (from the fleet's receipt), 'worker' (spent on
+    workers, all attempts): total - worker is the fleet's own share (PROTOCOL.md 4.2)."""
 
     @property
     def min_version(self) -> int | None:

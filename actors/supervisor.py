@@ -97,6 +97,8 @@ LOCAL = "local"
 # Enum values are properties: read them once, not on every request.
 _ABORT = FinishReason.ABORT.value
 _LENGTH = FinishReason.LENGTH.value
+_FOREVER = float("inf")
+_NUMBER = (float, int)
 # Clients remembered as taking batches (hello with batch): the oldest are forgotten past this
 # many, and get their messages one to a frame again, which they read as well.
 MAX_BATCH_CLIENTS = 1 << 16
@@ -1036,6 +1038,10 @@ class Supervisor:
             entry.versions.append(msg.weight_versions[0])
         if entry.t_first_token is None and msg.token_ids:
             entry.t_first_token = time.monotonic()
+        if msg.timings:
+            on_worker = msg.timings.get("worker")
+            if type(on_worker) in _NUMBER and 0.0 <= on_worker < _FOREVER:  # a worker's word: a bad one is left out
+                entry.t_worker = on_worker + (entry.t_worker or 0.0)
         if entry.stream and len(entry.token_ids) > streamed:
             tail = entry.token_ids[streamed:]
             entry.sink(Chunk(id=entry.request_id, token_ids=tail,
@@ -1099,6 +1105,8 @@ class Supervisor:
             timings["queue"] = entry.t_dispatched - entry.t_created
         if entry.t_first_token is not None:
             timings["first_token"] = entry.t_first_token - entry.t_created
+        if entry.t_worker is not None:
+            timings["worker"] = entry.t_worker
         logprobs = entry.logprobs
         if logprobs is None and entry.params.logprobs:
             logprobs = []  # asked for, and no token came: one per token, none

@@ -317,6 +317,7 @@ class EngineWorker:
 
     async def _serve(self, msg: Generate) -> None:
         assert self.engine is not None
+        t_arrived = time.monotonic()  # (this first step runs in the callback that received it)
         tokens: list[int] = []
         logprobs: list[float] | None = [] if msg.sampling.logprobs else None
         version = self.weight_version
@@ -362,6 +363,8 @@ class EngineWorker:
                             logprobs=logprobs,
                             weight_versions=[version],
                             worker=self.worker_id,
+                            # this attempt's time here: the supervisor sums them (PROTOCOL.md 4.2)
+                            timings={"worker": time.monotonic() - t_arrived},
                         )
                     )
                     return

@@ -14,13 +14,17 @@ During each flood the CPU time of the supervisor process (with the in-process cl
 drives it, as in a training job), of its event-loop thread alone, of the worker processes and
 of the whole machine is read with psutil. The event loop is one thread: when it is busy close
 to 100% of a core, the supervisor is the bottleneck; when every core of the machine is busy and
-the loop is not, the machine is (more workers only share the same cores).
+the loop is not, the machine is (more workers only share the same cores); when neither is, but
+the loop thread spent a tenth of the time or more ready to run with no core free (Linux
+schedstat), the machine's cores are still what holds it back, in bursts.
 
 Engine-paced: the same fleet sizes with each echo worker standing in for a real engine: at most
 ``--paced-running`` requests at once (its batch), ``--paced-tokens-per-s`` tokens/s each, made
 8 at a time, requests of ``--paced-tokens`` tokens, with exactly a full batch per worker in flight.
 The engines are then the limit by construction; what counts is whether the fleet delivers
-their capacity as workers are added (``paced_vs_capacity``), and what that costs the loop.
+their capacity as workers are added (``paced_vs_capacity``), and what that costs the loop. Each
+result says how long it spent on its worker (``timings["worker"]``): a call's latency less that is
+the fleet's share (sockets, the supervisor, the client, and any wait for a core).
 
 Ranks: the fleet size of 2 or more whose loop was busiest (``--ranks-workers`` to choose) run again
 as K ranks of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2; those that divide the workers
@@ -49,7 +53,8 @@ memcpy of the same bytes are timed in turns after a warm-up; the best of 6 (full
 Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_{n}w``,
 ``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
 ``supervisor_loop_cpu_{n}w`` (its event-loop thread, 1.0 = one core saturated),
-``workers_cpu_{n}w``, ``machine_busy_{n}w`` (cores busy machine-wide),
+``supervisor_loop_wait_{n}w`` (how long, per wall second, that thread was ready to run and waited
+for a core: Linux schedstat, written where the kernel keeps it), ``workers_cpu_{n}w``, ``machine_busy_{n}w`` (cores busy machine-wide),
 ``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``,
 ``supervisor_us_per_req_{n}w``, ``loop_us_per_req_{n}w``, ``workers_us_per_req_{n}w`` (CPU per
 request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
@@ -66,7 +71,10 @@ receivers / to the fewest),
 ``bucket_mb``, ``quick``, ``elapsed_s``; engine-paced: ``paced_rps_{n}w``,
 ``paced_capacity_rps_{n}w``, ``paced_vs_capacity_{n}w``, ``paced_p50_ms_{n}w``, ``paced_p99_ms_{n}w``,
 ``paced_loop_cpu_{n}w``, ``paced_workers_cpu_{n}w``, ``paced_machine_busy_{n}w``,
-``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_rps_scaling_max``,
+``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_worker_p50_ms_{n}w`` (a request's
+time on its worker, from its result's ``timings``), ``paced_outside_p50_ms_{n}w``,
+``paced_outside_p99_ms_{n}w`` (its latency less that: the fleet's share), ``paced_loop_wait_{n}w``
+(as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
 ``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``; ranks:
@@ -94,6 +102,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -109,17 +118,33 @@ MB = 1 << 20
 PROMPT = [1, 2]
 PARAMS = SamplingParams(max_tokens=1)
 LOOP_SATURATED = 0.9  # of one core: the event loop has no time left to give
+LOOP_WAITS = 0.1  # of the wall time: the loop thread, ready to run, waited this long for a core
 MACHINE_SATURATED = 0.9  # of all cores
 ENGINES_SATURATED = 0.9  # of the paced engines' capacity
 ROUNDS = 3  # throughput: the median of this many floods per fleet size, taken in turns
 BLOCK = 100  # unloaded latency: calls per fleet size per turn
 
 
+def schedstat_path() -> str | None:
+    """The calling thread's scheduler statistics (Linux: time on a core, then time waiting in a
+    run queue for one, in ns), or None where the kernel keeps none."""
+    path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+    try:
+        with open(path) as f:
+            int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return path
+
+
 class CpuMeter:
     """CPU seconds of the supervisor process, of its event-loop thread, of the workers and of
-    the whole machine between ``start()`` and ``stop()``. Use it from the event loop's thread."""
+    the whole machine between ``start()`` and ``stop()``; and, where the kernel tells (Linux
+    schedstat), how long the loop thread was ready to run but waited for a core (``loop_wait``:
+    the machine's cores, not the loop, held it back). Use it from the event loop's thread."""
 
     def __init__(self, sup: Supervisor) -> None:
+        self.schedstat = schedstat_path()
         self.workers = []
         for h in sup.workers.values():
             try:
@@ -140,22 +165,27 @@ class CpuMeter:
                 pass
         m = psutil.cpu_times()
         idle = m.idle + getattr(m, "iowait", 0.0)
-        return time.perf_counter(), process, loop, workers, sum(m) - idle
+        wait = 0.0
+        if self.schedstat is not None:
+            with open(self.schedstat) as f:
+                wait = int(f.read().split()[1]) / 1e9
+        return time.perf_counter(), process, loop, workers, sum(m) - idle, wait
 
     def start(self) -> None:
         self.t0 = self._read()
 
     def stop(self) -> dict[str, float]:
-        """Seconds of each between start and stop: wall, supervisor, loop, workers, machine."""
+        """Seconds of each between start and stop: wall, supervisor, loop, workers, machine,
+        and loop_wait where the kernel tells."""
         t1 = self._read()
-        return dict(zip(("wall", "supervisor", "loop", "workers", "machine"),
-                        (max(b - a, 0.0) for a, b in zip(self.t0, t1))))
+        names = ("wall", "supervisor", "loop", "workers", "machine") + (("loop_wait",) if self.schedstat else ())
+        return dict(zip(names, (max(b - a, 0.0) for a, b in zip(self.t0, t1))))
 
 
 def cores_used(samples: list[dict[str, float]]) -> dict[str, float]:
     """CPU seconds summed over samples per wall second: cores used, 1.0 = one core busy."""
     wall = max(sum(s["wall"] for s in samples), 1e-9)
-    keys = ("supervisor", "loop", "workers", "machine") + (("clients",) if "clients" in samples[0] else ())
+    keys = ("supervisor", "loop", "workers", "machine") + tuple(k for k in ("clients", "loop_wait") if k in samples[0])
     return {k: sum(s[k] for s in samples) / wall for k in keys}
 
 
@@ -167,12 +197,17 @@ def bottleneck(cpu: dict[str, float], cores: int) -> str:
         return "machine cores (rollfleet)"
     if cpu["machine"] >= MACHINE_SATURATED * cores:
         return "machine cores (other work)"
+    if cpu.get("loop_wait", 0.0) >= LOOP_WAITS:
+        # Not busy on average, but in bursts: the loop was ready and every core was taken.
+        return "machine cores (the loop waits for one)"
     return "none saturated"
 
 
 async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
-                params: SamplingParams = PARAMS) -> tuple[float, list[float]]:
-    """n calls with ``window`` in flight; returns (requests/s, latency of each call in us)."""
+                params: SamplingParams = PARAMS, outside: list[float] | None = None) -> tuple[float, list[float]]:
+    """n calls with ``window`` in flight; returns (requests/s, latency of each call in us).
+    ``outside``, when given, gets each call's latency less the time its result says it spent
+    on workers (``timings["worker"]``): the fleet's share, in us."""
     left = n
     lat: list[float] = []
     ids = itertools.count()
@@ -182,8 +217,11 @@ async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untype
         while left > 0:
             left -= 1
             t = time.perf_counter_ns()
-            await client.generate(f"{tag}-{next(ids)}", PROMPT, params)
-            lat.append((time.perf_counter_ns() - t) / 1e3)
+            r = await client.generate(f"{tag}-{next(ids)}", PROMPT, params)
+            us = (time.perf_counter_ns() - t) / 1e3
+            lat.append(us)
+            if outside is not None:
+                outside.append(us - r.timings.get("worker", 0.0) * 1e6)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(min(window, n))))
@@ -195,7 +233,7 @@ async def metered_flood(sup: Supervisor, client, into: dict, n: int, window: int
     """One flood with the CPU meter running; its rate, latencies and CPU go into ``into``."""
     meter = CpuMeter(sup)
     meter.start()
-    rps, lat = await flood(client, n, window, tag, params)
+    rps, lat = await flood(client, n, window, tag, params, into.get("outside"))
     into["cpu"].append(meter.stop())
     into["rps"].append(rps)
     into["lat"] += lat
@@ -229,6 +267,10 @@ def totals(f: dict, cores: int) -> None:
     f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("supervisor", "loop", "workers")}
     f["cpu"] = cores_used(f["cpu"])
     f["rps"] = statistics.median(f["rps"])
+    if "outside" in f:
+        # each call's time on its worker: its latency less the fleet's share
+        f["worker"] = summarize([total - fleet for total, fleet in zip(f["lat"], f["outside"])])
+        f["outside"] = summarize(f["outside"])
     f["lat"] = summarize(f["lat"])
     f["bottleneck"] = bottleneck(f["cpu"], cores)
 
@@ -299,7 +341,7 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
             config = FleetConfig(engine="echo", num_workers=n, engine_options=paced_options(sizes),
                                  frontend_addr=None, start_timeout_s=300)
             sups[n] = await stack.enter_async_context(Supervisor(config))
-            out[n] = {"rps": [], "lat": [], "cpu": []}
+            out[n] = {"rps": [], "lat": [], "cpu": [], "outside": []}
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():  # warm-up: one batch per worker
             await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
@@ -310,11 +352,12 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
     for n, f in out.items():
         totals(f, cores)
         f["capacity"] = paced_capacity(sizes, n)
-        if f["bottleneck"] == "none saturated" and f["rps"] >= ENGINES_SATURATED * f["capacity"]:
-            f["bottleneck"] = "engines (their capacity)"
+        if f["bottleneck"] != "supervisor event loop" and f["rps"] >= ENGINES_SATURATED * f["capacity"]:
+            f["bottleneck"] = "engines (their capacity)"  # delivered: whatever else was busy, they were the limit
         print(f"{n:>3} paced workers: {f['rps']:,.0f} req/s of {f['capacity']:,.0f}, p99 {f['lat']['p99'] / 1e3:,.0f} ms, "
-              f"loop {f['cpu']['loop']:.2f} cores, workers {f['cpu']['workers']:.2f}, machine "
-              f"{f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+              f"p50 {f['worker']['p50'] / 1e3:,.0f} ms on a worker and {f['outside']['p50'] / 1e3:,.1f} ms outside, "
+              f"loop {f['cpu']['loop']:.2f} cores (waits {f['cpu'].get('loop_wait', float('nan')):.2f}), workers "
+              f"{f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
     return out
 
 
@@ -626,6 +669,8 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         m[f"workers_cpu_{n}w"], m[f"machine_busy_{n}w"] = cpu["workers"], cpu["machine"]
         m[f"supervisor_cpu_share_{n}w"] = cpu["supervisor"] / max(cpu["supervisor"] + cpu["workers"], 1e-9)
         m[f"bottleneck_{n}w"] = f["bottleneck"]
+        if "loop_wait" in cpu:
+            m[f"supervisor_loop_wait_{n}w"] = cpu["loop_wait"]
         # CPU per request: unlike cores used, it does not depend on what else ran meanwhile.
         m[f"supervisor_us_per_req_{n}w"] = f["cpu_s"]["supervisor"] / f["num_calls"] * 1e6
         m[f"loop_us_per_req_{n}w"] = f["cpu_s"]["loop"] / f["num_calls"] * 1e6
@@ -669,6 +714,11 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         m[f"paced_machine_busy_{n}w"] = f["cpu"]["machine"]
         m[f"paced_loop_us_per_req_{n}w"] = f["cpu_s"]["loop"] / f["num_calls"] * 1e6
         m[f"paced_bottleneck_{n}w"] = f["bottleneck"]
+        m[f"paced_worker_p50_ms_{n}w"] = f["worker"]["p50"] / 1e3
+        m[f"paced_outside_p50_ms_{n}w"], m[f"paced_outside_p99_ms_{n}w"] = (f["outside"]["p50"] / 1e3,
+                                                                          f["outside"]["p99"] / 1e3)
+        if "loop_wait" in f["cpu"]:
+            m[f"paced_loop_wait_{n}w"] = f["cpu"]["loop_wait"]
     if paced:
         p, top, low = sizes["paced"], max(paced), min(paced)
         m.update({"paced_running": p["running"], "paced_tokens_per_s": p["tokens_per_s"],
@@ -743,6 +793,9 @@ def plot(path: str, fleets: dict, ranks: dict, clients: dict, paced: dict, updat
     for key, label in (("loop", "supervisor event loop"), ("supervisor", "supervisor process"),
                        ("workers", "all workers"), ("machine", "whole machine")):
         ax.plot(ns, [fleets[n]["cpu"][key] for n in ns], marker="o", label=label)
+    if all("loop_wait" in fleets[n]["cpu"] for n in ns):
+        ax.plot(ns, [fleets[n]["cpu"]["loop_wait"] for n in ns], marker="x", linestyle=":",
+                label="event loop waiting for a core")
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.axhline(cores, color="black", linestyle="--", linewidth=1, label=f"{cores} cores")
     ax.set_title("CPU during the flood")
@@ -784,6 +837,9 @@ def plot(path: str, fleets: dict, ranks: dict, clients: dict, paced: dict, updat
         twin = ax.twinx()
         twin.plot(ps, [paced[n]["cpu"]["loop"] for n in ps], marker="s", color="tab:red",
                   label="supervisor loop (cores)")
+        if all("loop_wait" in paced[n]["cpu"] for n in ps):
+            twin.plot(ps, [paced[n]["cpu"]["loop_wait"] for n in ps], marker="x", linestyle=":", color="tab:red",
+                      label="loop waiting for a core")
         twin.set_ylim(0, 1.05)
         twin.set_ylabel("supervisor loop, cores")
         lines = ax.get_legend_handles_labels()
@@ -887,10 +943,10 @@ def main(argv: list[str] | None = None) -> int:
     m.update(machine)
 
     print()
-    print_table(["workers", "req/s", "p50 us", "p99 us", "1-at-a-time p99 us", "loop cores", "sup. cores",
-                 "workers cores", "machine busy", "loop us/req", "workers us/req", "bottleneck"],
+    print_table(["workers", "req/s", "p50 us", "p99 us", "1-at-a-time p99 us", "loop cores", "loop waits",
+                 "sup. cores", "workers cores", "machine busy", "loop us/req", "workers us/req", "bottleneck"],
                 [(n, f["rps"], f["lat"]["p50"], f["lat"]["p99"], f["seq"]["p99"], f["cpu"]["loop"],
-                  f["cpu"]["supervisor"], f["cpu"]["workers"], f["cpu"]["machine"], m[f"loop_us_per_req_{n}w"],
+                  f["cpu"].get("loop_wait"), f["cpu"]["supervisor"], f["cpu"]["workers"], f["cpu"]["machine"], m[f"loop_us_per_req_{n}w"],
                   m[f"workers_us_per_req_{n}w"], f["bottleneck"])
                  for n, f in sorted(fleets.items())],
                 title=f"echo fleet, generate(max_tokens=1), {args.window} in flight; {cores} cores, "
@@ -928,11 +984,14 @@ def main(argv: list[str] | None = None) -> int:
     if paced:
         p = sizes["paced"]
         print()
-        print_table(["workers", "req/s", "capacity req/s", "of capacity", "p50 ms", "p99 ms", "loop cores",
-                     "workers cores", "machine busy", "loop us/req", "bottleneck"],
+        print_table(["workers", "req/s", "capacity req/s", "of capacity", "p50 ms", "p99 ms", "on a worker p50 ms",
+                     "outside p50 ms", "outside p99 ms", "loop cores", "loop waits", "workers cores", "machine busy",
+                     "loop us/req", "bottleneck"],
                     [(n, f["rps"], f["capacity"], f["rps"] / f["capacity"], f["lat"]["p50"] / 1e3,
-                      f["lat"]["p99"] / 1e3, f["cpu"]["loop"], f["cpu"]["workers"], f["cpu"]["machine"],
-                      m[f"paced_loop_us_per_req_{n}w"], f["bottleneck"]) for n, f in sorted(paced.items())],
+                      f["lat"]["p99"] / 1e3, f["worker"]["p50"] / 1e3, f["outside"]["p50"] / 1e3,
+                      f["outside"]["p99"] / 1e3, f["cpu"]["loop"], f["cpu"].get("loop_wait"), f["cpu"]["workers"],
+                      f["cpu"]["machine"], m[f"paced_loop_us_per_req_{n}w"], f["bottleneck"])
+                     for n, f in sorted(paced.items())],
                     title=f"engine-paced echo fleet: {p['running']} requests at once per worker, "
                           f"{p['tokens_per_s']:g} tokens/s each, {p['tokens']} tokens a request; one loop "
                           f"could feed ~{m['paced_loop_ceiling_workers']:,.0f} such workers")

@@ -37,7 +37,9 @@ GPU = {"d2d_gbps", "bytes_cuda", "cuda_reps", "cuda_ipc_gbps", "cuda_ipc_buffere
        "cuda_ipc_buffered_gbps_{mb}mb", "cuda_ipc_vs_d2d", "cuda_ipc_buffered_vs_d2d"}
 VLLM = {"vllm_direct_tps", "vllm_fleet_tps", "vllm_fleet_vs_direct", "vllm_direct_latency_p50_s",
         "vllm_fleet_latency_p50_s", "vllm_tokens_match", "vllm_start_s", "goal_vllm_overhead_met"}
-OPTIONAL = {"bench_rpc": RAY, "bench_weights": GPU, "bench_engines": VLLM}
+# Keys from the kernel's scheduler statistics, which a kernel built without them lacks.
+SCHEDSTAT = {"supervisor_loop_wait_{n}w", "paced_loop_wait_{n}w"}
+OPTIONAL = {"bench_rpc": RAY, "bench_weights": GPU, "bench_engines": VLLM, "bench_scaling": SCHEDSTAT}
 # Backquoted words in bench/README.md's script sections that are not keys.
 README_NOT_KEYS = {"generate_batch", "update_weights", "cuda_ipc"}  # methods, a transport
 

@@ -291,7 +291,9 @@ def _str_keys(v: dict[Any, Any]) -> bool:
 
 
 def _float_values(v: dict[Any, Any]) -> bool:
-    return _str_keys(v) and _all_floats(list(v.values()))
+    # (inlined: every worker's result carries such a map)
+    kinds = list(map(type, v.values()))
+    return list(map(type, v)).count(str) == len(v) and kinds.count(float) + kinds.count(int) == len(v)
 
 
 def _all_maps(v: list[Any]) -> bool:
@@ -429,7 +431,8 @@ class Result(Message):
     worker: str = ""
     """Worker that produced the last segment."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds: 'queue' (until dispatch), 'first_token', 'total'."""
+    """Seconds: 'queue' (until dispatch), 'first_token', 'total', 'worker' (on workers, summed
+    over attempts). From a worker: 'worker' alone, this attempt's."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -92,6 +92,20 @@ async def test_stop_token_ends_generation():
         assert result.token_ids == toks[:5] and result.finish_reason == "stop"
 
 
+async def test_a_result_says_how_long_it_spent_on_its_worker_and_the_rest_is_the_fleets():
+    # 20 tokens at 100 tokens/s: at least 0.2 s inside the worker, whatever the fleet adds.
+    async with fleet(1, engine_options={"tokens_per_s": 100}) as sup:
+        local = await sup.client().generate("t", [3], SamplingParams(max_tokens=20))
+        async with RemoteClient(sup.frontend_address) as remote:
+            outside = await remote.generate("t", [3], SamplingParams(max_tokens=20))
+        for r in (local, outside):
+            t = r.timings
+            assert set(t) == {"total", "queue", "first_token", "worker"}
+            assert 0.2 <= t["worker"] <= t["total"] - t["queue"]
+        refused = await sup.client().generate("z", [3], SamplingParams(max_tokens=0))
+        assert 0.0 <= refused.timings["worker"] < 0.2  # no token, still an attempt on a worker
+
+
 async def test_one_sampling_params_reused_with_its_stop_list_changed_in_place_stops_each_request_at_its_own():
     # The fleet copies a SamplingParams once while the same object comes back unchanged (a
     # rollout step's requests share one); a stop list changed in place between requests is a

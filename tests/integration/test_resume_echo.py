@@ -64,6 +64,20 @@ async def test_new_weights_apply_to_the_resumed_part_only():
         assert r.token_ids[first:] == rest and r.weight_versions == [0, 1] and r.num_preemptions == 1
 
 
+async def test_a_resumed_requests_worker_time_adds_up_its_attempts():
+    # 60 tokens at 200 tokens/s: at least 0.3 s of engine time over both attempts, however the
+    # update splits them; the second attempt alone is shorter, and the update's pause between
+    # them is the fleet's time, not the workers'.
+    async with fleet(1) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=60)))
+        await asyncio.sleep(0.15)
+        await client.update_weights(offset(0), version=1)
+        r = await task
+        assert r.num_preemptions == 1 and r.weight_versions == [0, 1] and len(r.token_ids) == 60
+        assert 0.3 <= r.timings["worker"] <= r.timings["total"]
+
+
 async def test_hard_abort_requests_return_their_partial_output_on_update():
     async with fleet(1) as sup:
         client = sup.client()
