@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="echo only: tokens per second per request (default: as fast as possible).")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="Once the fleet is ready, write the bound client address to PATH (removed on "
-                             "exit). The address is also printed as 'rollfleet serving on ADDR'.")
+                             "exit; if serve is killed outright, by its workers as they exit). The address is "
+                             "also printed as 'rollfleet serving on ADDR'.")
     parser.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                         help="How long each worker may take to start its engine (default 120; inf: no "
                              "limit).")
@@ -204,13 +205,16 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"rollfleet serve: the fleet failed to start: {exc}", file=sys.stderr)
             return 1
         address = fleet.frontend_address or ""
+        if model_dir is not None:
+            fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it
         if args.ready_file:
             try:
                 _write_atomic(args.ready_file, address + "\n")
+                wrote_ready = True
+                fleet.remove_with(args.ready_file)  # likewise: no ready file names a dead fleet
             except OSError as exc:
                 print(f"rollfleet serve: --ready-file: {exc}", file=sys.stderr)
                 return 1
-            wrote_ready = True
         print(f"rollfleet serving on {address}", flush=True)
         logger.info("serving %d %s workers on %s", args.workers, args.engine, address)
         await stop.wait()

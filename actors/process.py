@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -21,7 +22,8 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
-           "claim_private_dir", "sweep_private_dirs", "remove_private_dir", "unlink_if_same", "sampling_seed"]
+           "claim_private_dir", "sweep_private_dirs", "remove_private_dir", "remove_with", "unlink_if_same",
+           "sampling_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +188,46 @@ def claim_private_dir(private_dir: str) -> None:
 UNCLAIMED_AGE_S = 60.0
 
 
+# Paths outside a private directory that go with it (``remove_with``): one JSON line each,
+# [inode, path].
+REMOVE_WITH_FILE = "remove-with"
+
+
+def remove_with(private_dir: str, path: str) -> None:
+    """Have ``path`` (a file or directory) removed with ``private_dir``: by whoever removes the
+    directory (its supervisor's shutdown, its workers once that supervisor is gone, the sweep of
+    the next supervisor started beside it), if ``path`` is still the same file then."""
+    path = os.path.abspath(path)
+    inode = os.lstat(path).st_ino
+    with open(os.path.join(private_dir, REMOVE_WITH_FILE), "a", encoding="utf-8") as f:
+        f.write(json.dumps([inode, path]) + "\n")
+
+
+def _remove_listed(private_dir: str) -> None:
+    try:
+        with open(os.path.join(private_dir, REMOVE_WITH_FILE), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            inode, path = json.loads(line)
+            st = os.lstat(path)
+            if st.st_ino != inode:
+                continue  # another file there now
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except (OSError, ValueError, TypeError):
+            continue
+
+
 def remove_private_dir(path: str) -> None:
-    """Remove a fleet's private directory, unlinking first the shm names its engines listed."""
+    """Remove a fleet's private directory, unlinking first the shm names its engines listed and
+    what it was asked to take with it (``remove_with``)."""
     sweep_shm_lists(path, everything=True)
+    _remove_listed(path)
     shutil.rmtree(path, ignore_errors=True)
 
 

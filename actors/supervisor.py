@@ -80,6 +80,7 @@ from .process import (
     device_env,
     kmp_names,
     remove_private_dir,
+    remove_with,
     sampling_seed,
     sweep_private_dirs,
     sweep_shm_lists,
@@ -473,6 +474,15 @@ class Supervisor:
                     handle.proc.close()
         if self.private_dir:
             remove_private_dir(self.private_dir)
+
+    def remove_with(self, path: str) -> None:
+        """Remove ``path`` (a file or directory this process made for the fleet: a ready file, a
+        model written for it) when the fleet goes: at shutdown, or, if this process dies without
+        one (SIGKILL), by its workers as they exit, or else by the next fleet started with the
+        same ``private_dir_root``. Left alone if another file has taken its place by then."""
+        if self.private_dir is None or self.closed:
+            raise RuntimeError("remove_with needs a started, open fleet")
+        remove_with(self.private_dir, path)
 
     @property
     def metrics_address(self) -> str | None:

@@ -77,7 +77,8 @@ time on its worker, from its result's ``timings``), ``paced_outside_p50_ms_{n}w`
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
-``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``; ranks:
+``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``,
+``paced_worker_nice``; ranks:
 ``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
 calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
 ``ranks_bottleneck_{k}r``, ``ranks_max`` (the most ranks run), ``ranks_rps_scaling_max``
@@ -342,6 +343,9 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
                                  frontend_addr=None, start_timeout_s=300)
             sups[n] = await stack.enter_async_context(Supervisor(config))
             out[n] = {"rps": [], "lat": [], "cpu": [], "outside": []}
+            if p["worker_nice"]:  # the workers yield a shared core to the supervisor (and the client)
+                for h in sups[n].workers.values():
+                    os.setpriority(os.PRIO_PROCESS, h.pid, p["worker_nice"])
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():  # warm-up: one batch per worker
             await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
@@ -722,7 +726,8 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
     if paced:
         p, top, low = sizes["paced"], max(paced), min(paced)
         m.update({"paced_running": p["running"], "paced_tokens_per_s": p["tokens_per_s"],
-                  "paced_tokens": p["tokens"], "paced_step_tokens": p["step_tokens"]})
+                  "paced_tokens": p["tokens"], "paced_step_tokens": p["step_tokens"],
+                  "paced_worker_nice": p["worker_nice"]})
         m["paced_rps_scaling_max"] = paced[top]["rps"] / paced[low]["rps"]
         m["paced_vs_capacity_min"] = min(f["rps"] / f["capacity"] for f in paced.values())
         m["paced_loop_cpu_max"] = max(f["cpu"]["loop"] for f in paced.values())
@@ -873,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paced-batches", type=int, default=None,
                         help="Engine-paced fleet: requests per round, in full batches of every worker "
                              "(default 3, --quick 2; 0 skips the engine-paced fleet).")
+    parser.add_argument("--paced-worker-nice", type=int, default=0, metavar="N",
+                        help="Engine-paced fleet: run its workers at this nice value (1..19; default 0, as the "
+                             "supervisor). On a machine with fewer cores than workers, this shows how much of a "
+                             "request's time outside its worker was the supervisor waiting for a core.")
     parser.add_argument("--ranks", default=None,
                         help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "
                              "(default 1,2,4, --quick 1,2; 0 skips).")
@@ -899,9 +908,12 @@ def main(argv: list[str] | None = None) -> int:
                  "bucket_mb": 256, "rounds": 3, "reps": 3, "batches": 3}
     if min(args.paced_running, args.paced_tokens) < 1 or args.paced_tokens_per_s <= 0 or (args.paced_batches or 0) < 0:
         parser.error("--paced-running, --paced-tokens and --paced-tokens-per-s must be > 0, --paced-batches >= 0")
+    if not 0 <= args.paced_worker_nice <= 19:
+        parser.error("--paced-worker-nice must be in 0..19")
     sizes["paced"] = {"running": args.paced_running, "tokens_per_s": args.paced_tokens_per_s,
                       "tokens": args.paced_tokens, "step_tokens": max(1, min(8, args.paced_tokens)),
-                      "batches": sizes.pop("batches") if args.paced_batches is None else args.paced_batches}
+                      "batches": sizes.pop("batches") if args.paced_batches is None else args.paced_batches,
+                      "worker_nice": args.paced_worker_nice}
     try:
         sizes["workers"] = [int(x) for x in (args.workers if args.workers is not None else sizes["workers"]).split(",")]
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]

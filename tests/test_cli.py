@@ -165,19 +165,22 @@ def test_serve_started_ignoring_sighup_keeps_serving_after_one(tmp_path):
             proc.wait()
 
 
-def test_serve_killed_outright_leaves_no_frontend_socket_file(tmp_path):
-    # SIGKILL: serve removes nothing; its workers see it die and remove its socket file too.
+def test_serve_killed_outright_leaves_no_frontend_socket_file_nor_ready_file(tmp_path):
+    # SIGKILL: serve removes nothing; its workers see it die and remove its socket file and its
+    # ready file (which would otherwise name a fleet that is gone).
     import psutil
 
     proc, workers, sock = serve_and_its_workers(tmp_path)
+    ready = tmp_path / "ready"
+    assert ready.exists()
     proc.kill()
     proc.wait()
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
     deadline = time.monotonic() + 5
-    while sock.exists() and time.monotonic() < deadline:
+    while (sock.exists() or ready.exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not sock.exists()
+    assert not sock.exists() and not ready.exists()
 
 
 def test_python_dash_m_rollfleet_is_the_command():

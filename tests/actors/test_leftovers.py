@@ -102,3 +102,29 @@ def test_private_dirs_of_dead_supervisors_and_those_left_half_made_are_swept(tmp
     assert sorted(os.path.basename(p) for p in removed) == ["rollfleet-dead", "rollfleet-empty-old",
                                                             "rollfleet-halfowner-old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollfleet-empty-new", "rollfleet-mine", "rollfleet-model"]
+
+
+def test_paths_asked_to_go_with_a_dead_supervisors_dir_go_with_it_unless_replaced(tmp_path):
+    from rollfleet.actors.process import OWNER_FILE, remove_with, sweep_private_dirs
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    private = root / "rollfleet-dead"
+    private.mkdir()
+    (private / OWNER_FILE).write_text(f"{dead.stdout.strip()} 1.0\n")  # its owner has exited
+    ready, model, replaced, kept = (outside / n for n in ("ready", "model dir\nx", "replaced", "kept"))
+    ready.write_text("ipc:///x\n")
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    replaced.write_text("old")
+    kept.write_text("not listed")
+    for path in (ready, model, replaced):
+        remove_with(str(private), str(path))
+    newer = outside / "replaced.tmp"  # another fleet's ready file, written as serve writes one
+    newer.write_text("a new file in its place")
+    os.replace(newer, replaced)  # another inode there now: not the one listed
+    assert [os.path.basename(p) for p in sweep_private_dirs(str(root))] == ["rollfleet-dead"]
+    assert not private.exists() and not ready.exists() and not model.exists()
+    assert replaced.read_text() == "a new file in its place" and kept.exists()
