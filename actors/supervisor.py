@@ -817,6 +817,11 @@ class Supervisor:
             task = asyncio.create_task(self._catch_up(handle), name=f"rollfleet-catch-up-{handle.worker_id}")
             self._tasks.append(task)
             return
+        if handle.weight_version != self.weight_version:
+            logger.warning("worker %s serves weight version %d while the fleet is at %d: nothing kept can bring it "
+                           "there (keep_last_weights is off and the last update was not given as a callable); its "
+                           "results say so, and the next update brings it along",
+                           handle.worker_id, handle.weight_version, self.weight_version)
         self._ready_as_the_fleet(handle)
 
     def _ready_as_the_fleet(self, handle: WorkerHandle) -> None:

@@ -72,7 +72,7 @@ receivers / to the fewest),
 ``paced_capacity_rps_{n}w``, ``paced_vs_capacity_{n}w``, ``paced_p50_ms_{n}w``, ``paced_p99_ms_{n}w``,
 ``paced_loop_cpu_{n}w``, ``paced_workers_cpu_{n}w``, ``paced_machine_busy_{n}w``,
 ``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_worker_p50_ms_{n}w`` (a request's
-time on its worker, from its result's ``timings``), ``paced_outside_p50_ms_{n}w``,
+time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
 ``paced_outside_p99_ms_{n}w`` (its latency less that: the fleet's share), ``paced_loop_wait_{n}w``
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,

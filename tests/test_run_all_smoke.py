@@ -56,6 +56,11 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert metrics[f"paced_capacity_rps_{n}w"] == pytest.approx(100 * n)
         assert 0.3 < metrics[f"paced_vs_capacity_{n}w"] <= 1.02
         assert 0 < metrics[f"paced_loop_cpu_{n}w"] <= 1.05 and metrics[f"paced_bottleneck_{n}w"]
+        # 16 tokens at 200 tokens/s: at least 80 ms on the worker; the rest of a call's time is
+        # the fleet's, which cannot be less than nothing.
+        assert metrics[f"paced_worker_p50_ms_{n}w"] >= 80
+        assert 0 <= metrics[f"paced_outside_p50_ms_{n}w"] <= metrics[f"paced_outside_p99_ms_{n}w"]
+        assert 0 <= metrics.get(f"paced_loop_wait_{n}w", 0) <= 1.05
     assert metrics["paced_loop_ceiling_workers"] > 0
     # The 2-worker fleet (the only one that can be split) again as 1 and as 2 ranks, each rank a
     # process with a fleet of its own; none of those processes outlives the run.

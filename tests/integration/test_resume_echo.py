@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -195,7 +196,8 @@ async def test_an_update_right_after_a_failed_first_one_waits_for_the_restarted_
         assert {h.weight_version for h in sup.ready_workers()} == {1}  # the later one caught up
 
 
-async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weights_and_says_so():
+async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weights_and_says_so(caplog):
+    caplog.set_level(logging.WARNING, logger="rollfleet")
     async with fleet(1, tokens_per_s=0, keep_last_weights=False) as sup:
         client = sup.client()
         await client.update_weights(offset(3), version=5)
@@ -209,6 +211,7 @@ async def test_without_a_kept_copy_a_failed_update_restarts_to_the_initial_weigh
         assert r.token_ids == expected_tokens([4], 5) and r.weight_versions == [0]
         assert sup.weight_version == 5
         assert [w["weight_version"] for w in (await sup.stats())["workers"]] == [0]
+        assert any("serves weight version 0 while the fleet is at 5" in r.getMessage() for r in caplog.records)
         # The next good update brings it to the fleet's version again.
         await client.update_weights(offset(3), version=7)
         r = await client.generate("v7", [4], SamplingParams(max_tokens=5))
