@@ -325,6 +325,7 @@ class Supervisor:
                 "device": device,
                 "heartbeat_interval_s": cfg.heartbeat_interval_s,
                 "report_interval_s": cfg.report_interval_s,
+                "nice": cfg.worker_nice,
                 "max_message_bytes": cfg.max_message_bytes,
                 "private_dir": self.private_dir,
                 # the frontend's ipc:// socket file, [path, inode]: removed by the workers if this

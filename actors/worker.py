@@ -708,6 +708,8 @@ def main() -> None:
         format=f"%(asctime)s %(levelname)s worker {config['worker_id']} %(name)s: %(message)s",
     )
     _watch_parent(config)
+    if config.get("nice"):
+        os.nice(int(config["nice"]))  # before the engine starts: its processes inherit it
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         # The default action of the last two would end the worker with no cleanup at all. One
         # the job ignores (nohup: SIGHUP), inherited, stays ignored.

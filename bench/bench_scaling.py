@@ -339,13 +339,11 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         sups = {}
         for n in sizes["workers"]:
+            # worker_nice: the workers yield a shared core to the supervisor (and the client)
             config = FleetConfig(engine="echo", num_workers=n, engine_options=paced_options(sizes),
-                                 frontend_addr=None, start_timeout_s=300)
+                                 frontend_addr=None, start_timeout_s=300, worker_nice=p["worker_nice"])
             sups[n] = await stack.enter_async_context(Supervisor(config))
             out[n] = {"rps": [], "lat": [], "cpu": [], "outside": []}
-            if p["worker_nice"]:  # the workers yield a shared core to the supervisor (and the client)
-                for h in sups[n].workers.values():
-                    os.setpriority(os.PRIO_PROCESS, h.pid, p["worker_nice"])
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():  # warm-up: one batch per worker
             await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
@@ -879,8 +877,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Engine-paced fleet: requests per round, in full batches of every worker "
                              "(default 3, --quick 2; 0 skips the engine-paced fleet).")
     parser.add_argument("--paced-worker-nice", type=int, default=0, metavar="N",
-                        help="Engine-paced fleet: run its workers at this nice value (1..19; default 0, as the "
-                             "supervisor). On a machine with fewer cores than workers, this shows how much of a "
+                        help="Engine-paced fleet: its workers' FleetConfig.worker_nice (0..19; default 0, as "
+                             "the supervisor). On a machine with fewer cores than workers, this shows how much of a "
                              "request's time outside its worker was the supervisor waiting for a core.")
     parser.add_argument("--ranks", default=None,
                         help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "

@@ -106,6 +106,19 @@ async def test_a_result_says_how_long_it_spent_on_its_worker_and_the_rest_is_the
         assert 0.0 <= refused.timings["worker"] < 0.2  # no token, still an attempt on a worker
 
 
+async def test_worker_nice_lowers_the_workers_priority_below_the_supervisors_and_they_serve():
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    async with fleet(2, worker_nice=5) as sup:
+        for h in sup.workers.values():
+            assert os.getpriority(os.PRIO_PROCESS, h.pid) == min(base + 5, 19)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the supervisor's own is untouched
+        r = await sup.client().generate("n", [3], SamplingParams(max_tokens=4))
+        assert r.token_ids == expected_tokens([3], 4)
+    for bad in (-1, 20, 2.5, True):
+        with pytest.raises(ValueError, match="worker_nice"):
+            FleetConfig(engine="echo", worker_nice=bad)
+
+
 async def test_one_sampling_params_reused_with_its_stop_list_changed_in_place_stops_each_request_at_its_own():
     # The fleet copies a SamplingParams once while the same object comes back unchanged (a
     # rollout step's requests share one); a stop list changed in place between requests is a
