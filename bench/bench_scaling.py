@@ -54,7 +54,8 @@ Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_
 ``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
 ``supervisor_loop_cpu_{n}w`` (its event-loop thread, 1.0 = one core saturated),
 ``supervisor_loop_wait_{n}w`` (how long, per wall second, that thread was ready to run and waited
-for a core: Linux schedstat, written where the kernel keeps it), ``workers_cpu_{n}w``, ``machine_busy_{n}w`` (cores busy machine-wide),
+for a core: Linux schedstat, written where the kernel keeps it), ``workers_cpu_{n}w``,
+``machine_busy_{n}w`` (cores busy machine-wide),
 ``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``,
 ``supervisor_us_per_req_{n}w``, ``loop_us_per_req_{n}w``, ``workers_us_per_req_{n}w`` (CPU per
 request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
@@ -205,7 +206,8 @@ def bottleneck(cpu: dict[str, float], cores: int) -> str:
 
 
 async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
-                params: SamplingParams = PARAMS, outside: list[float] | None = None) -> tuple[float, list[float]]:
+                params: SamplingParams = PARAMS,
+                outside: list[float] | None = None) -> tuple[float, list[float]]:
     """n calls with ``window`` in flight; returns (requests/s, latency of each call in us).
     ``outside``, when given, gets each call's latency less the time its result says it spent
     on workers (``timings["worker"]``): the fleet's share, in us."""
