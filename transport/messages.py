@@ -291,9 +291,7 @@ def _str_keys(v: dict[Any, Any]) -> bool:
 
 
 def _float_values(v: dict[Any, Any]) -> bool:
-    # (inlined: every worker's result carries such a map)
-    kinds = list(map(type, v.values()))
-    return list(map(type, v)).count(str) == len(v) and kinds.count(float) + kinds.count(int) == len(v)
+    return _str_keys(v) and _all_floats(list(v.values()))
 
 
 def _all_maps(v: list[Any]) -> bool:
