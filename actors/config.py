@@ -42,6 +42,11 @@ class RestartPolicy:
             raise ValueError("window_s must be > 0 and backoffs >= 0")
 
 
+REPORT_INTERVAL_S = 0.5
+"""FleetConfig.report_interval_s's default: how often a worker reports its running requests' new
+tokens (those not streamed)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class FleetConfig:
     """Everything a Supervisor needs to run a fleet; each field is documented where it is
@@ -70,11 +75,12 @@ class FleetConfig:
     """How long a worker may take to start its engine and register."""
     heartbeat_interval_s: float = 1.0
     """How often workers send heartbeats."""
-    report_interval_s: float = 0.05
+    report_interval_s: float = REPORT_INTERVAL_S
     """How often a worker reports the new tokens of requests that are not streamed (all of them
     in one message): the partial output a request resumes from if its worker dies. Longer means
-    fewer messages for the supervisor with many requests running, and more tokens made again
-    after a worker's death."""
+    less work for the supervisor with many requests running, and more tokens made again after a
+    worker's death. Each report costs the supervisor's loop a few microseconds per running
+    request: at 0.05 s, 4,096 requests running would take about 0.4 of its core."""
     heartbeat_timeout_s: float = 30.0
     """A worker silent this long is considered hung and is killed."""
     shutdown_timeout_s: float = 10.0
@@ -167,6 +173,10 @@ class FleetConfig:
             raise ValueError(f"worker_nice must be an int in 0..19, got {self.worker_nice!r}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0 or None, got {self.stall_timeout_s}")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 2 * self.report_interval_s:
+            # a request that is not streamed gets its tokens once per report_interval_s
+            raise ValueError(f"stall_timeout_s ({self.stall_timeout_s}) must exceed twice report_interval_s "
+                             f"({self.report_interval_s}): tokens that are not streamed come once per report")
         if self.accept_remote_workers and not (self.curve_keys_dir and (self.worker_addr or "").startswith("tcp://")):
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

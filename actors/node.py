@@ -48,7 +48,7 @@ import zmq
 
 from ..cli import log_level
 from ..engines import check_engine_options
-from .config import RestartPolicy
+from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import WorkerProcess, device_env, sampling_seed
 
@@ -288,7 +288,7 @@ class NodeAgent:
                 "host": self.name,
                 "node": self.node_id,  # a node agent's worker: tells the supervisor when it ends
                 "heartbeat_interval_s": router["heartbeat_interval_s"],
-                "report_interval_s": router.get("report_interval_s", 0.05),
+                "report_interval_s": router.get("report_interval_s", REPORT_INTERVAL_S),
                 "max_message_bytes": router["max_message_bytes"],
                 "private_dir": self.private_dir,
                 "weight_version": 0,  # the supervisor brings it to the fleet's version

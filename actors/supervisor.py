@@ -1058,6 +1058,13 @@ class Supervisor:
             on_worker = msg.timings.get("worker")
             if type(on_worker) in _NUMBER and 0.0 <= on_worker < _FOREVER:  # a worker's word: a bad one is left out
                 entry.t_worker = on_worker + (entry.t_worker or 0.0)
+                first = msg.timings.get("first_token")
+                if entry.segment_start == 0 and type(first) in _NUMBER and 0.0 <= first <= on_worker:
+                    # This attempt made the request's first token, 'worker - first' seconds before
+                    # its result: earlier than its first chunk came, by up to report_interval_s.
+                    t = time.monotonic() - (on_worker - first)
+                    if entry.t_first_token is None or t < entry.t_first_token:
+                        entry.t_first_token = t
         if entry.stream and len(entry.token_ids) > streamed:
             tail = entry.token_ids[streamed:]
             entry.sink(Chunk(id=entry.request_id, token_ids=tail,

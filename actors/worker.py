@@ -52,6 +52,7 @@ from ..transport.messages import (
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
+from .config import REPORT_INTERVAL_S
 from .process import (
     CONFIG_ENV,
     is_resource_tracker,
@@ -66,11 +67,22 @@ __all__ = ["EngineWorker", "main"]
 
 logger = logging.getLogger(__name__)
 
-CHUNK_INTERVAL_S = 0.05
+CHUNK_INTERVAL_S = REPORT_INTERVAL_S
 """Longest a non-streamed request's new tokens wait before they are reported as a chunk, unless
 the config says otherwise (``report_interval_s``). One timer per worker reports every such
 request's new tokens at once, so that they leave in one message: a worker running hundreds of
 requests sends a few messages per interval, not one per request."""
+
+
+def _timings(t_arrived: float, t_first: float | None) -> dict[str, float]:
+    """A result's timings: seconds from the attempt's arrival to its result ('worker') and to
+    its first token ('first_token', when it made one). The supervisor dates a non-streamed
+    request's first token from them rather than from its first chunk, which may come up to
+    report_interval_s later."""
+    now = time.monotonic()
+    if t_first is None:
+        return {"worker": now - t_arrived}
+    return {"worker": now - t_arrived, "first_token": t_first - t_arrived}
 
 
 def _is_fatal(exc: BaseException | None) -> bool:
@@ -320,6 +332,7 @@ class EngineWorker:
         t_arrived = time.monotonic()  # (this first step runs in the callback that received it)
         tokens: list[int] = []
         logprobs: list[float] | None = [] if msg.sampling.logprobs else None
+        t_first: float | None = None  # when this attempt made its first token
         version = self.weight_version
         # Streamed requests get every step at once. Others get a chunk at most every
         # report_interval_s: the supervisor only needs their partial output to resume them if
@@ -340,6 +353,8 @@ class EngineWorker:
         outputs = self.engine.generate(msg.id, msg.prompt_ids, msg.sampling)
         try:
             async for out in outputs:
+                if t_first is None and out.token_ids:
+                    t_first = time.monotonic()
                 tokens.extend(out.token_ids)
                 self.num_tokens += len(out.token_ids)
                 if logprobs is not None and out.logprobs:
@@ -363,8 +378,9 @@ class EngineWorker:
                             logprobs=logprobs,
                             weight_versions=[version],
                             worker=self.worker_id,
-                            # this attempt's time here: the supervisor sums them (PROTOCOL.md 4.2)
-                            timings={"worker": time.monotonic() - t_arrived},
+                            # this attempt's time here, which the supervisor sums, and when its
+                            # first token came (PROTOCOL.md 4.2)
+                            timings=_timings(t_arrived, t_first),
                         )
                     )
                     return

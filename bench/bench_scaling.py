@@ -26,6 +26,14 @@ their capacity as workers are added (``paced_vs_capacity``), and what that costs
 result says how long it spent on its worker (``timings["worker"]``): a call's latency less that is
 the fleet's share (sockets, the supervisor, the client, and any wait for a core).
 
+Running: long requests that all stay running (as a rollout's do for most of their time on an
+engine), so that the loop's only work is to keep track of them. ``--running-workers`` paced echo
+workers run ``--running-per-worker`` requests each at 50 tokens/s, 5 at a time, none finishing
+while measured; the workers report their new tokens every ``report_interval_s``. One fleet per
+interval of ``--running-intervals`` (default 0.05 and the fleet's default, 0.5), measured in turns.
+What the loop spends per running request per report sets how many running requests one loop
+can keep track of at an interval.
+
 Ranks: the fleet size of 2 or more whose loop was busiest (``--ranks-workers`` to choose) run again
 as K ranks of a job (``--ranks``, default 1, 2, 4; ``--quick`` 1, 2; those that divide the workers
 evenly): K processes, each with a supervisor of
@@ -79,7 +87,11 @@ time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
 ``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``,
-``paced_worker_nice``; ranks:
+``paced_worker_nice``, ``paced_report_interval_s``; running: ``running_requests``,
+``running_workers``, per report interval in ms: ``running_loop_cpu_{ms}ms`` (cores),
+``running_workers_cpu_{ms}ms``, ``running_loop_us_per_report_{ms}ms`` (loop CPU per running
+request per report), ``running_loop_ceiling_{ms}ms`` (running requests one loop could keep
+track of at that interval, a core of its own); ranks:
 ``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
 calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
 ``ranks_bottleneck_{k}r``, ``ranks_max`` (the most ranks run), ``ranks_rps_scaling_max``
@@ -114,6 +126,7 @@ import torch
 from common import bench_parser, finite_float, machine_info, png_path, print_table, summarize, write_json
 
 from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.actors.config import REPORT_INTERVAL_S
 from rollfleet.transport.messages import SamplingParams
 
 MB = 1 << 20
@@ -343,7 +356,8 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
         for n in sizes["workers"]:
             # worker_nice: the workers yield a shared core to the supervisor (and the client)
             config = FleetConfig(engine="echo", num_workers=n, engine_options=paced_options(sizes),
-                                 frontend_addr=None, start_timeout_s=300, worker_nice=p["worker_nice"])
+                                 frontend_addr=None, start_timeout_s=300, worker_nice=p["worker_nice"],
+                                 report_interval_s=p["report_interval_s"])
             sups[n] = await stack.enter_async_context(Supervisor(config))
             out[n] = {"rps": [], "lat": [], "cpu": [], "outside": []}
         clients = {n: sup.client() for n, sup in sups.items()}
@@ -362,6 +376,52 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
               f"p50 {f['worker']['p50'] / 1e3:,.0f} ms on a worker and {f['outside']['p50'] / 1e3:,.1f} ms outside, "
               f"loop {f['cpu']['loop']:.2f} cores (waits {f['cpu'].get('loop_wait', float('nan')):.2f}), workers "
               f"{f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+    return out
+
+
+RUNNING_TOKENS_PER_S = 50.0  # each running request's pace (a long rollout on a busy engine)
+RUNNING_STEP = 5  # tokens an engine step makes: fewer wake-ups of the paced workers
+
+
+async def running_in_turns(sizes: dict, cores: int) -> dict:
+    """Many requests running and none finishing: what keeping track of them costs the loop, per
+    report interval. A fleet per interval; in each round, each fleet in turn gets its requests,
+    is measured once they all run, and has them cancelled (the others idle meanwhile)."""
+    r = sizes["running"]
+    n, per = r["workers"], r["per_worker"]
+    params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)  # outlasts the measurement
+    out: dict = {}
+    async with contextlib.AsyncExitStack() as stack:
+        sups = {}
+        for interval in r["intervals"]:
+            options = {"tokens_per_s": RUNNING_TOKENS_PER_S, "max_running": per, "step_tokens": RUNNING_STEP}
+            config = FleetConfig(engine="echo", num_workers=n, engine_options=options, frontend_addr=None,
+                                 start_timeout_s=300, report_interval_s=interval)
+            sups[interval] = await stack.enter_async_context(Supervisor(config))
+            out[interval] = {"cpu": []}
+        for rnd in range(r["rounds"]):
+            for interval, sup in sups.items():
+                client = sup.client()
+                calls = [asyncio.create_task(client.generate(f"run{rnd}-{i}", PROMPT, params))
+                         for i in range(n * per)]
+                await asyncio.sleep(r["settle_s"] + interval)  # every request started and reported once
+                meter = CpuMeter(sup)
+                meter.start()
+                await asyncio.sleep(r["measure_s"])
+                out[interval]["cpu"].append(meter.stop())
+                for c in calls:
+                    c.cancel()
+                await asyncio.gather(*calls, return_exceptions=True)
+                await asyncio.sleep(0.2)  # the aborts reach the workers before the next fleet is measured
+    for interval, f in out.items():
+        f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("loop", "workers")}
+        f["wall_s"] = sum(s["wall"] for s in f["cpu"])
+        f["cpu"] = cores_used(f["cpu"])
+        reports = n * per * f["wall_s"] / interval  # a report per running request per interval
+        f["us_per_report"] = f["cpu_s"]["loop"] / reports * 1e6
+        f["ceiling"] = n * per / f["cpu"]["loop"] if f["cpu"]["loop"] > 0 else float("inf")
+        print(f"{n * per} requests running, reports every {interval:g} s: loop {f['cpu']['loop']:.3f} cores "
+              f"({f['us_per_report']:.1f} us per request per report), workers {f['cpu']['workers']:.2f}", flush=True)
     return out
 
 
@@ -629,7 +689,7 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     return out, memcpy
 
 
-async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict, float]:
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict, dict, float]:
     fleets = await fleets_in_turns(sizes, cores)
     ranks: dict = {}
     clients: dict = {}
@@ -645,10 +705,11 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
         else:
             print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
+    running = await running_in_turns(sizes, cores) if sizes["running"]["intervals"] else {}
     if not sizes["receivers"]:
-        return fleets, ranks, clients, paced, {}, 0.0
+        return fleets, ranks, clients, paced, running, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
-    return fleets, ranks, clients, paced, updates, memcpy
+    return fleets, ranks, clients, paced, running, updates, memcpy
 
 
 def run_loop(coro):  # type: ignore[no-untyped-def]
@@ -659,7 +720,7 @@ def run_loop(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, updates: dict,
+def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, running: dict, updates: dict,
             memcpy: float) -> dict:
     m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
                "bucket_mb": sizes["bucket_mb"]}
@@ -727,7 +788,7 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         p, top, low = sizes["paced"], max(paced), min(paced)
         m.update({"paced_running": p["running"], "paced_tokens_per_s": p["tokens_per_s"],
                   "paced_tokens": p["tokens"], "paced_step_tokens": p["step_tokens"],
-                  "paced_worker_nice": p["worker_nice"]})
+                  "paced_worker_nice": p["worker_nice"], "paced_report_interval_s": p["report_interval_s"]})
         m["paced_rps_scaling_max"] = paced[top]["rps"] / paced[low]["rps"]
         m["paced_vs_capacity_min"] = min(f["rps"] / f["capacity"] for f in paced.values())
         m["paced_loop_cpu_max"] = max(f["cpu"]["loop"] for f in paced.values())
@@ -735,6 +796,13 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         # How many such workers one loop could feed, from its CPU per request at the largest fleet.
         ceiling = paced[top]["num_calls"] / max(paced[top]["cpu_s"]["loop"], 1e-9)
         m["paced_loop_ceiling_workers"] = ceiling / paced_capacity(sizes, 1)
+    if running:
+        r = sizes["running"]
+        m["running_requests"], m["running_workers"] = r["workers"] * r["per_worker"], r["workers"]
+    for interval, f in running.items():
+        ms = round(interval * 1000)
+        m[f"running_loop_cpu_{ms}ms"], m[f"running_workers_cpu_{ms}ms"] = f["cpu"]["loop"], f["cpu"]["workers"]
+        m[f"running_loop_us_per_report_{ms}ms"], m[f"running_loop_ceiling_{ms}ms"] = f["us_per_report"], f["ceiling"]
     for k, u in updates.items():
         m[f"gbps_{k}w"], m[f"update_s_{k}w"] = u["gbps"], u["seconds"]
         m[f"weights_supervisor_cpu_{k}w"] = u["cpu"].get("supervisor", 0.0)
@@ -882,6 +950,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="Engine-paced fleet: its workers' FleetConfig.worker_nice (0..19; default 0, as "
                              "the supervisor). On a machine with fewer cores than workers, this shows how much of a "
                              "request's time outside its worker was the supervisor waiting for a core.")
+    parser.add_argument("--paced-report-interval", type=finite_float, default=REPORT_INTERVAL_S,
+                        metavar="S",
+                        help="Engine-paced fleet: FleetConfig.report_interval_s, how often each worker reports the "
+                             f"new tokens of its running requests (default {REPORT_INTERVAL_S}, the "
+                             "fleet's own default). Each report costs the loop a few us per running request.")
+    parser.add_argument("--running-workers", type=int, default=4,
+                        help="Running: workers of each fleet (default 4, with --quick too).")
+    parser.add_argument("--running-per-worker", type=int, default=256,
+                        help="Running: requests each worker runs at once, all the time measured (default 256).")
+    parser.add_argument("--running-intervals", default=None, metavar="S,S",
+                        help="Running: report intervals to compare, seconds, comma-separated (default 0.05 and "
+                             f"the fleet's default, {REPORT_INTERVAL_S}; 0 skips).")
     parser.add_argument("--ranks", default=None,
                         help="Job ranks to spread one no-model fleet over, each a process with a fleet of its own "
                              "(default 1,2,4, --quick 1,2; 0 skips).")
@@ -910,10 +990,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--paced-running, --paced-tokens and --paced-tokens-per-s must be > 0, --paced-batches >= 0")
     if not 0 <= args.paced_worker_nice <= 19:
         parser.error("--paced-worker-nice must be in 0..19")
+    if not args.paced_report_interval > 0:
+        parser.error("--paced-report-interval must be > 0")
+    try:
+        intervals = [float(x) for x in (args.running_intervals or f"0.05,{REPORT_INTERVAL_S}").split(",")
+                     if x and float(x) != 0]
+    except ValueError:
+        parser.error("--running-intervals takes comma-separated seconds")
+    if any(not 0.001 <= i <= 60 for i in intervals) or min(args.running_workers, args.running_per_worker) < 1:
+        parser.error("--running-intervals must be in 0.001..60 s, --running-workers and --running-per-worker >= 1")
+    sizes["running"] = {"workers": args.running_workers, "per_worker": args.running_per_worker,
+                        "intervals": sorted(set(intervals)), "rounds": 2 if args.quick else ROUNDS,
+                        "settle_s": 0.5 if args.quick else 1.0, "measure_s": 1.5 if args.quick else 3.0}
     sizes["paced"] = {"running": args.paced_running, "tokens_per_s": args.paced_tokens_per_s,
                       "tokens": args.paced_tokens, "step_tokens": max(1, min(8, args.paced_tokens)),
                       "batches": sizes.pop("batches") if args.paced_batches is None else args.paced_batches,
-                      "worker_nice": args.paced_worker_nice}
+                      "worker_nice": args.paced_worker_nice, "report_interval_s": args.paced_report_interval}
     try:
         sizes["workers"] = [int(x) for x in (args.workers if args.workers is not None else sizes["workers"]).split(",")]
         sizes["receivers"] = [int(x) for x in args.receivers.split(",") if x]
@@ -948,8 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: the load average is other work, not ours
     cores = machine["machine_cores"]
     t0 = time.perf_counter()
-    fleets, ranks, clients, paced, updates, memcpy = run_loop(measure(sizes, cores))
-    m = metrics(sizes, fleets, ranks, clients, paced, updates, memcpy)
+    fleets, ranks, clients, paced, running, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, ranks, clients, paced, running, updates, memcpy)
     m["quick"] = args.quick
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
@@ -1007,6 +1099,14 @@ def main(argv: list[str] | None = None) -> int:
                     title=f"engine-paced echo fleet: {p['running']} requests at once per worker, "
                           f"{p['tokens_per_s']:g} tokens/s each, {p['tokens']} tokens a request; one loop "
                           f"could feed ~{m['paced_loop_ceiling_workers']:,.0f} such workers")
+    if running:
+        print()
+        print_table(["report every s", "running requests", "loop cores", "loop us per request per report",
+                     "running one loop could track", "workers cores"],
+                    [(i, m["running_requests"], f["cpu"]["loop"], f["us_per_report"], f["ceiling"], f["cpu"]["workers"])
+                     for i, f in sorted(running.items())],
+                    title=f"{m['running_requests']} long requests running on {m['running_workers']} paced echo workers, "
+                          f"none finishing: the loop keeps track of them")
     if updates:
         print()
         print_table(["receivers", "GB/s", "update s", "sup. process cores"],

@@ -291,6 +291,13 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             + (f". Below 0.9 of the capacity at {p} workers, and neither the loop nor the machine saturated on "
                f"average (machine busy {m.get(f'paced_machine_busy_{p}w', 0):.2f} of its {cores} cores)."
                if where == "none saturated" else f"; the limit at {p} workers: {where}."))
+    if "running_loop_cpu_500ms" in m and "running_loop_cpu_50ms" in m:
+        text.append(
+            f"With {m['running_requests']:,} long requests running on {m['running_workers']} workers and none "
+            f"finishing, the loop's work is their workers' reports of new tokens: it was busy "
+            f"{m['running_loop_cpu_50ms']:.3f} of a core with a report every 0.05 s and "
+            f"{m['running_loop_cpu_500ms']:.3f} every 0.5 s (the fleet's default), so one loop could keep track of "
+            f"about {m['running_loop_ceiling_50ms']:,.0f} and {m['running_loop_ceiling_500ms']:,.0f} running requests.")
     ks = sizes_in(m, "gbps_")
     if len(ks) > 1:
         curve = listed(m, "gbps_{}w", ks, ".2f")

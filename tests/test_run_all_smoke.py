@@ -40,7 +40,7 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     out, report = tmp_path / "out", tmp_path / "R.md"
     run_all("--quick", "--only", "bench_scaling", "--out", str(out), "--report", str(report),
             "--extra", "--workers 1,2 --receivers 1,2 --weights-mb 8 --calls 900 --paced-running 8 "
-            "--paced-tokens 16 --paced-batches 1", timeout=120)
+            "--paced-tokens 16 --paced-batches 1 --running-workers 2 --running-per-worker 128", timeout=150)
     metrics = json.loads((out / "bench_scaling.json").read_text())
     keys.check_keys("bench_scaling", metrics)  # --workers 1,2 and the rest: every documented key pattern
     for key in ("rps_1w", "rps_2w", "p99_us_1w", "p99_us_2w", "gbps_1w", "gbps_2w", "memcpy_gbps"):
@@ -62,6 +62,13 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert 0 <= metrics[f"paced_outside_p50_ms_{n}w"] <= metrics[f"paced_outside_p99_ms_{n}w"]
         assert 0 <= metrics.get(f"paced_loop_wait_{n}w", 0) <= 1.05
     assert metrics["paced_loop_ceiling_workers"] > 0
+    # 256 requests running, none finishing: reported every 0.05 s, ten times as many reports
+    # reach the loop as every 0.5 s, and it spends more on them.
+    assert metrics["running_requests"] == 256 and metrics["running_workers"] == 2
+    for ms in (50, 500):
+        assert 0 < metrics[f"running_loop_cpu_{ms}ms"] <= 1.05 and metrics[f"running_loop_us_per_report_{ms}ms"] > 0
+        assert metrics[f"running_loop_ceiling_{ms}ms"] == pytest.approx(256 / metrics[f"running_loop_cpu_{ms}ms"])
+    assert metrics["running_loop_cpu_50ms"] > metrics["running_loop_cpu_500ms"]
     # The 2-worker fleet (the only one that can be split) again as 1 and as 2 ranks, each rank a
     # process with a fleet of its own; none of those processes outlives the run.
     assert metrics["ranks_workers"] == 2 and metrics["ranks_max"] == 2

@@ -166,8 +166,10 @@ def long_ref(hf_new) -> list[int]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def torch_fleet(model_dir, no_leaks_module):
+    # report_interval_s: the tests that interrupt a request wait until the fleet holds some of its
+    # tokens; reports every 50 ms let them see those before a short request ends
     cfg = FleetConfig(engine="torch", num_workers=2, engine_options={"model": model_dir},
-                      deterministic_routing=True)
+                      deterministic_routing=True, report_interval_s=0.05)
     async with Supervisor(cfg) as sup:
         yield sup
 
@@ -180,7 +182,7 @@ def vllm_profile_dir(tmp_path_factory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def vllm_fleet(model_dir, vllm_profile_dir, no_leaks_module):
     pytest.importorskip("vllm")
-    cfg = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240,
+    cfg = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240, report_interval_s=0.05,  # as torch_fleet
                       engine_options={"model": model_dir, "max_model_len": 512, "dtype": "float32", "seed": 0,
                                       "profile_dir": vllm_profile_dir})
     async with Supervisor(cfg) as sup:

@@ -106,6 +106,20 @@ async def test_a_result_says_how_long_it_spent_on_its_worker_and_the_rest_is_the
         assert 0.0 <= refused.timings["worker"] < 0.2  # no token, still an attempt on a worker
 
 
+async def test_a_first_token_is_dated_by_its_worker_not_by_the_report_that_brings_it():
+    # 10 tokens at 20 tokens/s: the first is made about 0.05 s in, the last about 0.5 s. With a
+    # report every 5 s, no chunk comes before the result: first_token is the worker's own timing
+    # (it was the result's arrival, about 'total', when only the reports dated it).
+    async with fleet(1, engine_options={"tokens_per_s": 20}, report_interval_s=5.0) as sup:
+        local = await sup.client().generate("f", [3], SamplingParams(max_tokens=10))
+        async with RemoteClient(sup.frontend_address) as remote:
+            outside = await remote.generate("f", [3], SamplingParams(max_tokens=10))
+        for r in (local, outside):
+            t = r.timings
+            assert r.token_ids == expected_tokens([3], 10) and t["total"] >= 0.45
+            assert t["queue"] <= t["first_token"] < t["total"] - 0.3, t
+
+
 async def test_worker_nice_lowers_the_workers_priority_below_the_supervisors_and_they_serve():
     base = os.getpriority(os.PRIO_PROCESS, 0)
     async with fleet(2, worker_nice=5) as sup:

@@ -361,7 +361,7 @@ async def test_fatal_engine_exception_restarts_the_worker_and_resumes_its_other_
 
 async def test_stalled_engine_is_detected_restarted_and_its_requests_resume():
     sup = fleet(2, engine_options={"tokens_per_s": 200, "stall_after": 6}, deterministic_routing=True,
-                stall_timeout_s=1.0, heartbeat_interval_s=0.2)
+                stall_timeout_s=1.0, heartbeat_interval_s=0.2, report_interval_s=0.05)
     async with sup:
         pids = worker_pids(sup)
         client = sup.client()
@@ -379,7 +379,8 @@ async def test_stalled_engine_is_detected_restarted_and_its_requests_resume():
 
 
 async def test_stall_timeout_spares_paused_engines():
-    sup = fleet(1, engine_options={"tokens_per_s": 200}, stall_timeout_s=0.5, heartbeat_interval_s=0.1)
+    sup = fleet(1, engine_options={"tokens_per_s": 200}, stall_timeout_s=0.5, heartbeat_interval_s=0.1,
+                report_interval_s=0.05)
     async with sup:
         pids = worker_pids(sup)
         client = sup.client()

@@ -179,3 +179,8 @@ def test_new_config_fields_are_validated():
         with pytest.raises(ValueError):
             FleetConfig(engine="echo", **bad)
     assert FleetConfig(engine="echo", stall_timeout_s=5.0, metrics_port=0).metrics_port == 0
+    # A request that is not streamed shows its tokens once per report: a stall timeout within
+    # two reports would take a healthy engine for a stuck one.
+    with pytest.raises(ValueError, match="twice report_interval_s"):
+        FleetConfig(engine="echo", stall_timeout_s=1.0)
+    assert FleetConfig(engine="echo", stall_timeout_s=1.0, report_interval_s=0.1).stall_timeout_s == 1.0
