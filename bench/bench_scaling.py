@@ -28,8 +28,9 @@ the fleet's share (sockets, the supervisor, the client, and any wait for a core)
 
 Running: long requests that all stay running (as a rollout's do for most of their time on an
 engine), so that the loop's only work is to keep track of them. ``--running-workers`` paced echo
-workers run ``--running-per-worker`` requests each at 50 tokens/s, 5 at a time, none finishing
-while measured; the workers report their new tokens every ``report_interval_s``. One fleet per
+workers run ``--running-per-worker`` requests each at 50 tokens/s, 5 at a time (an engine step
+every 0.1 s), none finishing while measured; the workers report their new tokens every
+``report_interval_s``, a request at most once per step. One fleet per
 interval of ``--running-intervals`` (default 0.05 and the fleet's default, 0.5), measured in turns.
 What the loop spends per running request per report sets how many running requests one loop
 can keep track of at an interval.
@@ -90,7 +91,7 @@ time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
 ``paced_worker_nice``, ``paced_report_interval_s``; running: ``running_requests``,
 ``running_workers``, per report interval in ms: ``running_loop_cpu_{ms}ms`` (cores),
 ``running_workers_cpu_{ms}ms``, ``running_loop_us_per_report_{ms}ms`` (loop CPU per running
-request per report), ``running_loop_ceiling_{ms}ms`` (running requests one loop could keep
+request per report, a report per interval or per engine step, whichever is longer), ``running_loop_ceiling_{ms}ms`` (running requests one loop could keep
 track of at that interval, a core of its own); ranks:
 ``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
 calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
@@ -417,7 +418,9 @@ async def running_in_turns(sizes: dict, cores: int) -> dict:
         f["cpu_s"] = {k: sum(s[k] for s in f["cpu"]) for k in ("loop", "workers")}
         f["wall_s"] = sum(s["wall"] for s in f["cpu"])
         f["cpu"] = cores_used(f["cpu"])
-        reports = n * per * f["wall_s"] / interval  # a report per running request per interval
+        # A running request is reported once per interval in which its engine made tokens: at most
+        # once per engine step (RUNNING_STEP tokens) however short the interval.
+        reports = n * per * f["wall_s"] * min(1 / interval, RUNNING_TOKENS_PER_S / RUNNING_STEP)
         f["us_per_report"] = f["cpu_s"]["loop"] / reports * 1e6
         f["ceiling"] = n * per / f["cpu"]["loop"] if f["cpu"]["loop"] > 0 else float("inf")
         print(f"{n * per} requests running, reports every {interval:g} s: loop {f['cpu']['loop']:.3f} cores "
