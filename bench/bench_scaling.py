@@ -91,8 +91,9 @@ time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
 ``paced_worker_nice``, ``paced_report_interval_s``; running: ``running_requests``,
 ``running_workers``, per report interval in ms: ``running_loop_cpu_{ms}ms`` (cores),
 ``running_workers_cpu_{ms}ms``, ``running_loop_us_per_report_{ms}ms`` (loop CPU per running
-request per report, a report per interval or per engine step, whichever is longer), ``running_loop_ceiling_{ms}ms`` (running requests one loop could keep
-track of at that interval, a core of its own); ranks:
+request per report, a report per interval or per engine step, whichever is longer),
+``running_loop_ceiling_{ms}ms`` (running requests one loop could keep track of at that interval,
+a core of its own); ranks:
 ``ranks_workers`` (workers in all), ``ranks_rps_{k}r``, ``ranks_p99_us_{k}r`` (all ranks'
 calls), ``ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores), ``ranks_machine_busy_{k}r``,
 ``ranks_bottleneck_{k}r``, ``ranks_max`` (the most ranks run), ``ranks_rps_scaling_max``
@@ -384,7 +385,7 @@ RUNNING_TOKENS_PER_S = 50.0  # each running request's pace (a long rollout on a 
 RUNNING_STEP = 5  # tokens an engine step makes: fewer wake-ups of the paced workers
 
 
-async def running_in_turns(sizes: dict, cores: int) -> dict:
+async def running_in_turns(sizes: dict) -> dict:
     """Many requests running and none finishing: what keeping track of them costs the loop, per
     report interval. A fleet per interval; in each round, each fleet in turn gets its requests,
     is measured once they all run, and has them cancelled (the others idle meanwhile)."""
@@ -708,7 +709,7 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
         else:
             print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
-    running = await running_in_turns(sizes, cores) if sizes["running"]["intervals"] else {}
+    running = await running_in_turns(sizes) if sizes["running"]["intervals"] else {}
     if not sizes["receivers"]:
         return fleets, ranks, clients, paced, running, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
@@ -1000,8 +1001,10 @@ def main(argv: list[str] | None = None) -> int:
                      if x and float(x) != 0]
     except ValueError:
         parser.error("--running-intervals takes comma-separated seconds")
-    if any(not 0.001 <= i <= 60 for i in intervals) or min(args.running_workers, args.running_per_worker) < 1:
-        parser.error("--running-intervals must be in 0.001..60 s, --running-workers and --running-per-worker >= 1")
+    if (any(not 0.001 <= i <= 60 for i in intervals) or len({round(i * 1000) for i in intervals}) < len(intervals)
+            or min(args.running_workers, args.running_per_worker) < 1):
+        parser.error("--running-intervals must be in 0.001..60 s, a millisecond apart at least (the keys name them "
+                     "in ms); --running-workers and --running-per-worker >= 1")
     sizes["running"] = {"workers": args.running_workers, "per_worker": args.running_per_worker,
                         "intervals": sorted(set(intervals)), "rounds": 2 if args.quick else ROUNDS,
                         "settle_s": 0.5 if args.quick else 1.0, "measure_s": 1.5 if args.quick else 3.0}
