@@ -67,13 +67,6 @@ __all__ = ["EngineWorker", "main"]
 
 logger = logging.getLogger(__name__)
 
-CHUNK_INTERVAL_S = REPORT_INTERVAL_S
-"""Longest a non-streamed request's new tokens wait before they are reported as a chunk, unless
-the config says otherwise (``report_interval_s``). One timer per worker reports every such
-request's new tokens at once, so that they leave in one message: a worker running hundreds of
-requests sends a few messages per interval, not one per request."""
-
-
 def _timings(t_arrived: float, t_first: float | None) -> dict[str, float]:
     """A result's timings: seconds from the attempt's arrival to its result ('worker') and to
     its first token ('first_token', when it made one). The supervisor dates a non-streamed
@@ -107,7 +100,10 @@ class EngineWorker:
         # Non-streamed requests with tokens not yet reported -> their flush; one timer for all.
         self._unreported: dict[str, collections.abc.Callable[[], None]] = {}
         self._report_timer: asyncio.TimerHandle | None = None
-        self._report_interval = float(config.get("report_interval_s", CHUNK_INTERVAL_S))
+        # Longest a non-streamed request's new tokens wait before they are reported as a chunk.
+        # One timer per worker reports every such request's new tokens at once, so that they
+        # leave in one message: a few messages per interval, not one per request.
+        self._report_interval = float(config.get("report_interval_s", REPORT_INTERVAL_S))
         self._stop = asyncio.Event()
         self._exit_code = 0
         self._weights_lock = asyncio.Lock()
