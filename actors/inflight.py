@@ -49,6 +49,8 @@ class Entry:
     """len(token_ids) when the current attempt was dispatched."""
     versions: list[int] = field(default_factory=list)
     """Weight version of each segment that produced tokens."""
+    version_starts: list[int] = field(default_factory=list)
+    """Beside ``versions``: the index in token_ids of each such segment's first token."""
     segment_version: int | None = None
     num_preemptions: int = 0
     num_attempts: int = 0

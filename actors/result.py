@@ -20,6 +20,8 @@ class GenerationResult:
     logprobs: list[float] | None = None
     weight_versions: list[int] = field(default_factory=list)
     """Weight version of each segment that produced tokens, in order."""
+    weight_version_starts: list[int] = field(default_factory=list)
+    """Beside ``weight_versions``: the index in ``token_ids`` where each segment begins."""
     num_preemptions: int = 0
     """How often it was interrupted (weight update, dead worker) to be resumed."""
     worker: str = ""
@@ -36,6 +38,25 @@ class GenerationResult:
     def max_version(self) -> int | None:
         return max(self.weight_versions) if self.weight_versions else None
 
+    def token_weight_versions(self) -> list[int]:
+        """The weight version that produced each token, one per token of ``token_ids``
+        (e.g. for an off-policy correction on a partial rollout). Raises ValueError when the
+        result does not say where its segments begin (a peer that does not send
+        ``weight_version_starts``) and has more than one segment."""
+        versions, starts, n = self.weight_versions, self.weight_version_starts, len(self.token_ids)
+        if not versions or not n:
+            return []
+        if len(starts) != len(versions):
+            if len(versions) == 1:
+                return [versions[0]] * n
+            raise ValueError(f"result {self.request_id!r} has {len(versions)} segments "
+                             f"and {len(starts)} segment starts")
+        out: list[int] = []
+        for i, version in enumerate(versions):
+            end = starts[i + 1] if i + 1 < len(starts) else n
+            out.extend([version] * (min(end, n) - len(out)))
+        return out
+
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
@@ -51,6 +72,7 @@ class GenerationResult:
                 finish_reason=msg.finish_reason,
                 logprobs=list(msg.logprobs) if msg.logprobs is not None else None,
                 weight_versions=list(msg.weight_versions),
+                weight_version_starts=list(msg.weight_version_starts),
                 num_preemptions=msg.num_preemptions,
                 worker=msg.worker,
                 timings=dict(msg.timings),
@@ -61,6 +83,7 @@ class GenerationResult:
             finish_reason=msg.finish_reason,
             logprobs=msg.logprobs,
             weight_versions=msg.weight_versions,
+            weight_version_starts=msg.weight_version_starts,
             num_preemptions=msg.num_preemptions,
             worker=msg.worker,
             timings=msg.timings,
@@ -73,6 +96,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "logprobs": self.logprobs,
             "weight_versions": self.weight_versions,
+            "weight_version_starts": self.weight_version_starts,
             "num_preemptions": self.num_preemptions,
             "worker": self.worker,
             "timings": self.timings,

@@ -1027,6 +1027,7 @@ class Supervisor:
         if entry.segment_version is None:
             entry.segment_version = msg.weight_version
             entry.versions.append(msg.weight_version)
+            entry.version_starts.append(entry.segment_start)
         if entry.t_first_token is None:
             entry.t_first_token = time.monotonic()
         entry.token_ids.extend(msg.token_ids)
@@ -1052,6 +1053,7 @@ class Supervisor:
         if msg.token_ids and entry.segment_version is None and msg.weight_versions:
             entry.segment_version = msg.weight_versions[0]
             entry.versions.append(msg.weight_versions[0])
+            entry.version_starts.append(entry.segment_start)
         if entry.t_first_token is None and msg.token_ids:
             entry.t_first_token = time.monotonic()
         if msg.timings:
@@ -1133,10 +1135,10 @@ class Supervisor:
         logprobs = entry.logprobs
         if logprobs is None and entry.params.logprobs:
             logprobs = []  # asked for, and no token came: one per token, none
-        # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, num_preemptions=,
-        #          worker=, timings=), made without __init__'s per-field work
+        # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, weight_version_starts=,
+        #          num_preemptions=, worker=, timings=), made without __init__'s per-field work
         entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, logprobs,
-                               entry.versions, entry.num_preemptions, worker, timings))
+                               entry.versions, entry.version_starts, entry.num_preemptions, worker, timings))
 
     def _fail(self, entry: Entry, exc: RolloutError) -> None:
         self._finish(entry)

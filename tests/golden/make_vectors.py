@@ -72,6 +72,7 @@ VECTORS: list[Message] = [
         finish_reason="length",
         logprobs=[-0.25, -1.5, -0.125, -2.0],
         weight_versions=[2, 3],
+        weight_version_starts=[0, 2],
         num_preemptions=1,
         worker="w1-0",
         timings={"total": 0.5, "queue": 0.125, "first_token": 0.25},

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from rollfleet.actors import FleetConfig, Supervisor
+from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.errors import ResumeExhausted, WeightUpdateError
 from rollfleet.transport.messages import SamplingParams
 
@@ -63,6 +63,53 @@ async def test_new_weights_apply_to_the_resumed_part_only():
         assert 0 < first < 50
         rest = expected_tokens([3] + r.token_ids[:first], 50 - first, offset=7)
         assert r.token_ids[first:] == rest and r.weight_versions == [0, 1] and r.num_preemptions == 1
+
+
+async def test_each_token_says_which_weights_made_it_streamed_or_not():
+    # An update splits each request in two. The result says where the second segment begins,
+    # and that is where the tokens start to follow the new weights (offset 7); the streamed
+    # request's chunks say the same version for the same tokens. Through the frontend too.
+    async with fleet(1, report_interval_s=0.05) as sup:
+        client = sup.client()
+        async with RemoteClient(sup.frontend_address) as remote:
+            plain = asyncio.create_task(client.generate("plain", [3], SamplingParams(max_tokens=50)))
+            outside = asyncio.create_task(remote.generate("outside", [4], SamplingParams(max_tokens=50)))
+            chunks, final = [], []
+
+            async def streamed() -> None:
+                async for item in client.stream("streamed", [5], SamplingParams(max_tokens=50)):
+                    (final if hasattr(item, "finish_reason") else chunks).append(item)
+
+            stream_task = asyncio.create_task(streamed())
+            await asyncio.sleep(0.08)
+            await client.update_weights(offset(7), version=1)
+            results = {3: await plain, 4: await outside}
+            await stream_task
+        results[5] = final[0]
+        for prompt, r in results.items():
+            first = next(k for k in range(1, 51) if r.token_ids[:k] != expected_tokens([prompt], k)) - 1
+            assert 0 < first < 50, r
+            assert r.token_ids[first:] == expected_tokens([prompt] + r.token_ids[:first], 50 - first, offset=7)
+            assert r.weight_versions == [0, 1] and r.weight_version_starts == [0, first], r
+            assert r.token_weight_versions() == [0] * first + [1] * (50 - first)
+        per_chunk = [v for c in chunks for v in [c.weight_version] * len(c.token_ids)]
+        assert per_chunk == results[5].token_weight_versions()
+
+
+async def test_a_resume_after_a_dead_worker_starts_a_segment_where_the_kept_tokens_end():
+    async with fleet(2, report_interval_s=0.05, deterministic_routing=True) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=60)))
+        assert await wait_for(lambda: any(e.token_ids for e in sup.table), 5.0)
+        kept = len(next(iter(sup.table)).token_ids)
+        os.kill(sup.slots[0].pid if sup.table.on_worker(sup.slots[0].worker_id) else sup.slots[1].pid,
+                signal.SIGKILL)
+        r = await task
+        assert r.token_ids == expected_tokens([6], 60) and r.num_preemptions == 1
+        assert r.weight_versions == [0, 0]
+        starts = r.weight_version_starts
+        assert starts[0] == 0 and kept <= starts[1] < 60, (kept, starts)
+        assert r.token_weight_versions() == [0] * 60
 
 
 async def test_a_resumed_requests_worker_time_adds_up_its_attempts():
