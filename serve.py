@@ -29,7 +29,8 @@ ENGINES = ("echo", "torch", "vllm", "sglang")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rollfleet serve`` to ``parser``."""
-    from .cli import at_least  # numbers refused by the parser, naming the flag
+    from .actors.config import REPORT_INTERVAL_S
+    from .cli import at_least, positive_float  # numbers refused by the parser, naming the flag
 
     parser.description = (
         "Start a fleet of engine workers and serve its client-facing ZeroMQ ROUTER socket "
@@ -70,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                         help="How long each worker may take to start its engine (default 120; inf: no "
                              "limit).")
+    parser.add_argument("--report-interval", type=positive_float, default=REPORT_INTERVAL_S, metavar="SECONDS",
+                        help="How often each worker reports the new tokens of its running requests that are "
+                             "not streamed (default %(default)s). A request resumed after its worker died "
+                             "starts from its last report; a shorter interval costs the supervisor more "
+                             "CPU per running request.")
     parser.add_argument("--client-send-hwm", type=at_least(0), default=100_000, metavar="N",
                         help="Messages that may wait for one client; a client that stops reading past "
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
@@ -176,6 +182,7 @@ async def serve(args: argparse.Namespace) -> int:
             config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
                                  devices=_devices(args), frontend_addr=args.bind, start_timeout_s=args.start_timeout,
                                  curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
+                                 report_interval_s=args.report_interval,
                                  max_client_message_bytes=args.max_client_message_bytes)
         except ValueError as exc:
             print(f"rollfleet serve: {exc}", file=sys.stderr)

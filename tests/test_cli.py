@@ -45,6 +45,8 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "vllm", "--engine-option", "max_len=64"),
     ("serve", "--engine", "echo", "--start-timeout", "nan"),
     ("serve", "--engine", "echo", "--workers", "0"),
+    ("serve", "--engine", "echo", "--report-interval", "0"),
+    ("serve", "--engine", "echo", "--report-interval", "inf"),
     ("serve", "--engine", "echo", "--client-send-hwm", "-1"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", "100"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", str((1 << 30) + 1)),
@@ -61,7 +63,7 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     flags = [a for a in args if a.startswith("--") and a not in ("--engine", "--log-level")]
     flag = "--devices" if "--devices" in flags else next(iter(flags), None)
     if args[:1] == ("serve",) and flag in ("--start-timeout", "--workers", "--client-send-hwm", "--max-client-message-bytes",
-                                           "--devices"):
+                                           "--devices", "--report-interval"):
         assert flag in out.stderr, out.stderr  # said as the flag, not as the FleetConfig field behind it
 
 
@@ -282,6 +284,46 @@ def test_demo_interrupted_mid_batch_says_so_in_one_line(tmp_path):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         assert err.strip() == "rollfleet demo: interrupted", err  # no error per rollout left running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("interval", ["5", "0.05"])
+def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_path, interval):
+    # 200 tokens at 100 tokens/s, its worker killed 0.3 s in: with reports every 0.05 s the fleet
+    # holds some tokens by then and the resumed request keeps them (a second segment, starting
+    # there); with reports every 5 s none was reported yet and it starts over (one segment).
+    import asyncio
+
+    from rollfleet.actors import RemoteClient
+    from rollfleet.engines.echo import echo_tokens
+    from rollfleet.transport.messages import SamplingParams
+
+    sock, ready = tmp_path / "front.sock", tmp_path / "ready"
+    proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--tokens-per-s", "100", "--bind", f"ipc://{sock}",
+                             "--ready-file", str(ready), "--report-interval", interval], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+    async def go():
+        async with RemoteClient(f"ipc://{sock}") as client:
+            task = asyncio.create_task(client.generate("r", [5], SamplingParams(max_tokens=200)))
+            pid = (await client.stats())["workers"][0]["pid"]
+            await asyncio.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(task, 60)
+
+    try:
+        assert wait_file(ready) == f"ipc://{sock}"
+        r = asyncio.run(go())
+        assert r.token_ids == echo_tokens([5], 200) and r.num_preemptions == 1, r
+        if interval == "5":
+            assert r.weight_versions == [0] and r.weight_version_starts == [0], r
+        else:
+            assert r.weight_versions == [0, 0] and 10 <= r.weight_version_starts[1] < 200, r
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
