@@ -4,11 +4,13 @@ leaves its socket file behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,6 +91,17 @@ def test_stats_with_missing_keys_is_one_line_exit_1():
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
 
 
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Kill ``proc`` at the end of the block if it still runs (a failed check leaves no process)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def wait_file(path, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,7 +116,7 @@ def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_
     ready = tmp_path / "ready"
     first = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--bind", f"ipc://{sock}", "--ready-file", str(ready)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(first):
         assert wait_file(ready) == f"ipc://{sock}"
         second = run("serve", "--engine", "echo", "--bind", f"ipc://{sock}")
         assert second.returncode == 1 and "served by another process" in second.stderr, second.stderr
@@ -113,10 +126,6 @@ def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 0
         assert not sock.exists() and not ready.exists()
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
 
 
 def serve_and_its_workers(tmp_path, **popen):
@@ -140,31 +149,23 @@ def test_sighup_to_the_process_group_of_serve_shuts_down_cleanly_and_the_workers
 
     proc, workers, sock = serve_and_its_workers(  # SIGHUP as a terminal's job has it (this run may be nohup's)
         tmp_path, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
-    try:
+    with reaped(proc):
         os.killpg(proc.pid, signal.SIGHUP)
         assert proc.wait(30) == 0, proc.stderr.read()
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive and not sock.exists() and not (tmp_path / "ready").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_started_ignoring_sighup_keeps_serving_after_one(tmp_path):
     proc, workers, sock = serve_and_its_workers(
         tmp_path, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    try:
+    with reaped(proc):
         os.killpg(proc.pid, signal.SIGHUP)  # nohup's job: its terminal closed
         time.sleep(1.5)
         assert proc.poll() is None and all(w.is_running() for w in workers)
         assert run("stats", f"ipc://{sock}", "--json").returncode == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_killed_outright_leaves_no_frontend_socket_file_nor_ready_file(tmp_path):
@@ -246,7 +247,7 @@ def test_a_signal_while_serve_writes_its_default_model_exits_0_and_removes_it(tm
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.Popen([*CLI, "serve", "--engine", "vllm", "--bind", "tcp://127.0.0.1:0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with reaped(proc):
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob("rollfleet-serve-model-*")) and proc.poll() is None:
             assert time.monotonic() < deadline, "serve never started writing its model"
@@ -255,10 +256,6 @@ def test_a_signal_while_serve_writes_its_default_model_exits_0_and_removes_it(tm
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0 and "Traceback" not in err and "never retrieved" not in err, (proc.returncode, err)
         assert not list(tmp_path.glob("rollfleet-serve-model-*"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_on_an_ipc_path_that_is_a_plain_file_refuses_and_keeps_the_file(tmp_path):
@@ -277,17 +274,13 @@ def test_demo_interrupted_mid_batch_says_so_in_one_line(tmp_path):
     proc = subprocess.Popen([*CLI, "demo", "--engine", "echo", "--max-tokens", "4000"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
+    with reaped(proc):
         assert "fleet ready" in proc.stdout.readline() + proc.stdout.readline()
         time.sleep(1.0)  # the rollouts (10 s each at the demo's 400 tokens/s) are running
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         assert err.strip() == "rollfleet demo: interrupted", err  # no error per rollout left running
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.parametrize("interval", ["5", "0.05"])
@@ -314,7 +307,7 @@ def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_pa
             os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(task, 60)
 
-    try:
+    with reaped(proc):
         assert wait_file(ready) == f"ipc://{sock}"
         r = asyncio.run(go())
         assert r.token_ids == echo_tokens([5], 200) and r.num_preemptions == 1, r
@@ -324,7 +317,3 @@ def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_pa
             assert r.weight_versions == [0, 0] and 10 <= r.weight_version_starts[1] < 200, r
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
