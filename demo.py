@@ -7,6 +7,7 @@ import random
 import shutil
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from .actors import FleetConfig, Supervisor
@@ -28,6 +29,7 @@ def summarize(results: list[GenerationResult], errors: int, elapsed: float, stat
     tokens = sum(len(r.token_ids) for r in results)
     latencies = [r.timings.get("total", 0.0) for r in results]
     versions = sorted({v for r in results for v in r.weight_versions})
+    by_version = Counter(v for r in results for v in r.token_weight_versions())
     return [
         ("requests", str(len(results) + errors)),
         ("completed", str(sum(1 for r in results if not r.aborted))),
@@ -39,6 +41,7 @@ def summarize(results: list[GenerationResult], errors: int, elapsed: float, stat
         ("latency p50 (s)", f"{_percentile(latencies, 0.5):.3f}"),
         ("latency p99 (s)", f"{_percentile(latencies, 0.99):.3f}"),
         ("weight versions seen", ", ".join(map(str, versions)) or "-"),
+        ("tokens by weight version", ", ".join(f"v{v}: {n}" for v, n in sorted(by_version.items())) or "-"),
         ("workers", ", ".join(f"{w['worker_id']}@{w['device']}" for w in stats["workers"])),
     ]
 

@@ -59,13 +59,18 @@ def test_demo_runs_on_the_echo_engine_and_exits_cleanly(tmp_path):
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "aborted                1" in out.stdout
+    rows = {k: v.strip() for k, v in (line.split("  ", 1) for line in out.stdout.splitlines()
+                                       if "  " in line and not line.startswith(("-", "rollouts")))}
+    assert rows["aborted"] == "1", out.stdout
     # The update goes out a third of the way through (0.3 s requests at 400 tokens/s), and the
     # requests it interrupts resume: what the demo is for.
     assert "pushed weights version 1" in out.stdout and "while" in out.stdout.split("pushed weights", 1)[1].split("\n")[0]
-    resumed = next(line for line in out.stdout.splitlines() if line.startswith("resumed (preemptions)"))
-    assert int(resumed.split()[-1]) >= 1, out.stdout
+    assert int(rows["resumed (preemptions)"]) >= 1, out.stdout
     assert "weight versions seen" in out.stdout and "fleet shut down cleanly" in out.stdout
+    # Each token counted under the weights that made it: some before the update, some after.
+    by_version = dict(item.split(": ") for item in rows["tokens by weight version"].split(", "))
+    assert set(by_version) == {"v0", "v1"}, out.stdout
+    assert sum(map(int, by_version.values())) == int(rows["tokens generated"]), out.stdout
     assert not [p for p in os.listdir(tmp_path) if p.startswith("rollfleet-")]
 
 
