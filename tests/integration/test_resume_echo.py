@@ -69,29 +69,31 @@ async def test_each_token_says_which_weights_made_it_streamed_or_not():
     # An update splits each request in two. The result says where the second segment begins,
     # and that is where the tokens start to follow the new weights (offset 7); the streamed
     # request's chunks say the same version for the same tokens. Through the frontend too.
+    N = 100
     async with fleet(1, report_interval_s=0.05) as sup:
         client = sup.client()
         async with RemoteClient(sup.frontend_address) as remote:
-            plain = asyncio.create_task(client.generate("plain", [3], SamplingParams(max_tokens=50)))
-            outside = asyncio.create_task(remote.generate("outside", [4], SamplingParams(max_tokens=50)))
+            plain = asyncio.create_task(client.generate("plain", [3], SamplingParams(max_tokens=N)))
+            outside = asyncio.create_task(remote.generate("outside", [4], SamplingParams(max_tokens=N)))
             chunks, final = [], []
 
             async def streamed() -> None:
-                async for item in client.stream("streamed", [5], SamplingParams(max_tokens=50)):
+                async for item in client.stream("streamed", [5], SamplingParams(max_tokens=N)):
                     (final if hasattr(item, "finish_reason") else chunks).append(item)
 
             stream_task = asyncio.create_task(streamed())
-            await asyncio.sleep(0.08)
+            # all three running, each with some tokens the fleet holds (0.5 s of work each)
+            assert await wait_for(lambda: len(sup.table) == 3 and all(e.token_ids for e in sup.table), 10.0)
             await client.update_weights(offset(7), version=1)
             results = {3: await plain, 4: await outside}
             await stream_task
         results[5] = final[0]
         for prompt, r in results.items():
-            first = next(k for k in range(1, 51) if r.token_ids[:k] != expected_tokens([prompt], k)) - 1
-            assert 0 < first < 50, r
-            assert r.token_ids[first:] == expected_tokens([prompt] + r.token_ids[:first], 50 - first, offset=7)
+            first = next(k for k in range(1, N + 1) if r.token_ids[:k] != expected_tokens([prompt], k)) - 1
+            assert 0 < first < N, r
+            assert r.token_ids[first:] == expected_tokens([prompt] + r.token_ids[:first], N - first, offset=7)
             assert r.weight_versions == [0, 1] and r.weight_version_starts == [0, first], r
-            assert r.token_weight_versions() == [0] * first + [1] * (50 - first)
+            assert r.token_weight_versions() == [0] * first + [1] * (N - first)
         per_chunk = [v for c in chunks for v in [c.weight_version] * len(c.token_ids)]
         assert per_chunk == results[5].token_weight_versions()
 
@@ -102,8 +104,8 @@ async def test_a_resume_after_a_dead_worker_starts_a_segment_where_the_kept_toke
         task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=60)))
         assert await wait_for(lambda: any(e.token_ids for e in sup.table), 5.0)
         kept = len(next(iter(sup.table)).token_ids)
-        os.kill(sup.slots[0].pid if sup.table.on_worker(sup.slots[0].worker_id) else sup.slots[1].pid,
-                signal.SIGKILL)
+        victim = next(slot for slot in sup.slots if sup.table.on_worker(slot.worker_id))
+        os.kill(victim.pid, signal.SIGKILL)
         r = await task
         assert r.token_ids == expected_tokens([6], 60) and r.num_preemptions == 1
         assert r.weight_versions == [0, 0]
