@@ -104,7 +104,7 @@ async def test_a_resume_after_a_dead_worker_starts_a_segment_where_the_kept_toke
         task = asyncio.create_task(client.generate("r", [6], SamplingParams(max_tokens=60)))
         assert await wait_for(lambda: any(e.token_ids for e in sup.table), 5.0)
         kept = len(next(iter(sup.table)).token_ids)
-        victim = next(slot for slot in sup.slots if sup.table.on_worker(slot.worker_id))
+        victim = next(slot for slot in sup.slots.values() if sup.table.on_worker(slot.worker_id))
         os.kill(victim.pid, signal.SIGKILL)
         r = await task
         assert r.token_ids == expected_tokens([6], 60) and r.num_preemptions == 1
