@@ -1135,10 +1135,10 @@ class Supervisor:
         logprobs = entry.logprobs
         if logprobs is None and entry.params.logprobs:
             logprobs = []  # asked for, and no token came: one per token, none
-        # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, weight_version_starts=,
-        #          num_preemptions=, worker=, timings=), made without __init__'s per-field work
+        # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, num_preemptions=,
+        #          worker=, timings=, weight_version_starts=), made without __init__'s per-field work
         entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, logprobs,
-                               entry.versions, entry.version_starts, entry.num_preemptions, worker, timings))
+                               entry.versions, entry.num_preemptions, worker, timings, entry.version_starts))
 
     def _fail(self, entry: Entry, exc: RolloutError) -> None:
         self._finish(entry)

@@ -424,9 +424,6 @@ class Result(Message):
     logprobs: list[float] | None = None
     weight_versions: list[int] = field(default_factory=list)
     """Weight version of each segment, in order (one entry per attempt that produced tokens)."""
-    weight_version_starts: list[int] = field(default_factory=list)
-    """Index in ``token_ids`` of each segment's first token, beside ``weight_versions``: segment i
-    made ``token_ids[starts[i]:starts[i + 1]]``. From the supervisor; a worker leaves it empty."""
     num_preemptions: int = 0
     """How often the request was interrupted (weight update, dead worker) to be resumed."""
     worker: str = ""
@@ -434,6 +431,10 @@ class Result(Message):
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: 'queue' (until dispatch), 'first_token', 'total', 'worker' (on workers, summed
     over attempts). From a worker: 'worker' alone, this attempt's."""
+    # Added after the others: a peer that does not know it decodes the rest as before.
+    weight_version_starts: list[int] = field(default_factory=list)
+    """Index in ``token_ids`` of each segment's first token, beside ``weight_versions``: segment i
+    made ``token_ids[starts[i]:starts[i + 1]]``. From the supervisor; a worker leaves it empty."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
