@@ -50,6 +50,7 @@ __all__ = ["LLMClient", "RemoteClient"]
 logger = logging.getLogger(__name__)
 
 _GIVEN_UP = object()  # generate_batch: the slot of a request its caller stopped waiting for
+_EXPIRED: Any = object()  # stream: what its timer queues when the request's time is up
 _batch_ids = itertools.count()
 # generate_batch's own ids: unique per process, so two clients' batches never share an id
 _BATCH_PREFIX = f"{os.getpid():x}{secrets.token_hex(3)}-"
@@ -381,18 +382,14 @@ class _Base:
             await sending
         self.on_dispatch(request_id)
         done = False
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        # One timer for the whole request, which queues the end of its time behind what came
+        # before it (asyncio.wait_for would make a task of each queue.get()).
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, queue.put_nowait, _EXPIRED)
         try:
             while True:
-                if deadline is None:
-                    msg = await queue.get()
-                else:
-                    try:
-                        msg = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
-                    except asyncio.TimeoutError:
-                        raise RequestTimeout(f"request {request_id!r} timed out after {timeout}s",
-                                             request_id=request_id) from None
+                msg = await queue.get()
+                if msg is _EXPIRED:
+                    raise RequestTimeout(f"request {request_id!r} timed out after {timeout}s", request_id=request_id)
                 if isinstance(msg, Chunk):
                     yield StreamChunk(list(msg.token_ids), msg.logprobs, msg.weight_version)
                 elif isinstance(msg, Result):
@@ -405,6 +402,8 @@ class _Base:
                     done = True
                     raise from_code(msg.code, msg.message, request_id)
         finally:
+            if timer is not None:
+                timer.cancel()
             if not done:
                 self.on_cancel(request_id)
                 self._cancel(request_id)

@@ -404,6 +404,27 @@ async def test_cancellation_reaches_the_worker():
         assert sup.counters["cancelled"] == 2
 
 
+async def test_a_stream_past_its_timeout_ends_with_request_timeout_and_stops_on_its_worker():
+    # 1000 tokens at 200/s take 5 s; the stream has 0.3 s. It yields the chunks made until then,
+    # then raises; the request stops on its worker. Local and through the frontend. A stream
+    # whose answer comes in time is not hurt by its timer.
+    async with fleet(1, engine_options={"tokens_per_s": 200}, report_interval_s=0.05) as sup:
+        async with RemoteClient(sup.frontend_address) as remote:
+            for client in (sup.client(), remote):
+                chunks = []
+                t0 = time.monotonic()
+                with pytest.raises(RequestTimeout, match="timed out after 0.3s"):
+                    async for item in client.stream("s", [1], SamplingParams(max_tokens=1000), timeout=0.3):
+                        chunks.append(item)
+                assert 0.3 <= time.monotonic() - t0 < 3.0
+                assert chunks and sum(len(c.token_ids) for c in chunks) < 1000
+                assert await wait_for(lambda: len(sup.table) == 0, 3.0)
+                items = [item async for item in client.stream("quick", [1], SamplingParams(max_tokens=5), timeout=5)]
+                assert items[-1].token_ids == expected_tokens([1], 5)
+        # The local one is cancelled in the fleet; the remote client sends an abort.
+        assert (sup.counters["cancelled"], sup.counters["aborted"], sup.counters["completed"]) == (1, 1, 2)
+
+
 async def test_closing_a_stream_aborts_its_request_before_aclose_returns():
     async with fleet(1, engine_options={"tokens_per_s": 200}) as sup:
         client = sup.client()
