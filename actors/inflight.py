@@ -64,6 +64,12 @@ class Entry:
     def key(self) -> tuple[str, str]:
         return (self.origin, self.request_id)
 
+    def begin_segment(self, version: int) -> None:
+        """The current attempt made its first tokens, under weights ``version``."""
+        self.segment_version = version
+        self.versions.append(version)
+        self.version_starts.append(self.segment_start)
+
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.token_ids)

@@ -1025,9 +1025,7 @@ class Supervisor:
         if not msg.token_ids:
             return
         if entry.segment_version is None:
-            entry.segment_version = msg.weight_version
-            entry.versions.append(msg.weight_version)
-            entry.version_starts.append(entry.segment_start)
+            entry.begin_segment(msg.weight_version)
         if entry.t_first_token is None:
             entry.t_first_token = time.monotonic()
         entry.token_ids.extend(msg.token_ids)
@@ -1051,9 +1049,7 @@ class Supervisor:
             lp[entry.segment_start:] = msg.logprobs or []
             entry.logprobs = lp
         if msg.token_ids and entry.segment_version is None and msg.weight_versions:
-            entry.segment_version = msg.weight_versions[0]
-            entry.versions.append(msg.weight_versions[0])
-            entry.version_starts.append(entry.segment_start)
+            entry.begin_segment(msg.weight_versions[0])
         if entry.t_first_token is None and msg.token_ids:
             entry.t_first_token = time.monotonic()
         if msg.timings:
