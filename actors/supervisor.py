@@ -703,6 +703,15 @@ class Supervisor:
             raise RuntimeError("worker keys need a started supervisor with curve_keys_dir")
         self._auth.allow(public_key.encode() if isinstance(public_key, str) else public_key)
 
+    def _send_shutdown(self, identity: bytes) -> None:
+        """Tell a worker process the fleet no longer counts on it to exit; best effort (it
+        may be gone already)."""
+        try:
+            # (identity, header)
+            self._wsock.send([identity, codec.encode(Shutdown(id="shutdown"))])
+        except zmq.ZMQError:
+            pass
+
     def _admit_remote(self, identity: bytes, frames: list[bytes]) -> WorkerHandle | None:
         """A Register from a worker some node agent started: give it a handle and a slot.
 
@@ -723,10 +732,16 @@ class Supervisor:
             self._remote_slots[slot] = index
             self._restarts[index] = RestartTracker()
         else:
-            self._restarts[index].record()
             previous = self.slots.get(index)
+            if previous is not None and int(generation) < previous.generation:
+                # A generation its slot has gone past (a process its agent replaced, come back
+                # after a network fault): not admitted, and told to go, or it would run on.
+                self._send_shutdown(identity)
+                return None
+            self._restarts[index].record()
             if previous is not None and previous.worker_id in self.workers:
                 previous.last_error = previous.last_error or f"replaced by {worker_id}"
+                self._send_shutdown(previous.identity)  # the replaced process may still run
                 previous.proc.lost()
                 self._on_worker_dead(previous, previous.last_error)
 

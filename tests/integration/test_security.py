@@ -190,3 +190,47 @@ async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_
         stats = await sup.stats(engines=False)
         assert [w["num_inflight"] for w in stats["workers"]] == [0, 0]
         assert stats["dropped_frames"].get("bad_worker_frame", 0) >= 3
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_replaced_remote_generation_is_told_to_exit_and_cannot_come_back(tmp_path):
+    # A node agent that restarts a slot's worker leaves the old process, if it still runs (a
+    # network fault, a hang), unaware: the new generation's register replaces it, and it gets a
+    # shutdown. Should it register again later, it is refused with another: an older generation
+    # never displaces a newer one.
+    import msgpack
+
+    keys_dir = str(tmp_path / "keys")
+    make_keys(keys_dir)
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
+                         accept_remote_workers=True, engine_options={"tokens_per_s": 0})
+    async with Supervisor(config) as sup:
+        pub, sec = zmq.curve_keypair()
+        sup.allow_worker_key(pub)
+        server_pub = load_client_keys(keys_dir)[2]
+        socks = {}
+        try:
+            async def register(identity: bytes) -> dict:
+                ctx, sock = socks.get(identity) or _curve_dealer(sup.worker_address, identity, pub, sec, server_pub)
+                socks[identity] = (ctx, sock)
+                sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register",
+                                         "worker_id": identity.decode(), "pid": 1, "engine": "echo"}))
+                return await next_message(sock)
+
+            async def next_message(sock) -> dict:
+                assert await asyncio.to_thread(sock.poll, 10_000), "no answer from the supervisor"
+                return msgpack.unpackb(sock.recv())
+
+            assert (await register(b"nodeA/w0-0"))["type"] == "reply"
+            assert (await register(b"nodeA/w0-1"))["type"] == "reply"
+            told = await next_message(socks[b"nodeA/w0-0"][1])
+            assert (told["type"], told["id"]) == ("shutdown", "shutdown")
+            came_back = await register(b"nodeA/w0-0")
+            assert came_back["type"] == "shutdown"
+            stats = await sup.stats(engines=False)
+            remote = [w for w in stats["workers"] if "/" in w["worker_id"]]
+            assert [(w["worker_id"], w["state"]) for w in remote] == [("nodeA/w0-1", "ready")]
+        finally:
+            for ctx, sock in socks.values():
+                sock.close()
+                ctx.term()
