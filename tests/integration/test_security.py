@@ -1,6 +1,7 @@
 """CurveZMQ: non-loopback binds need keys; only authorized client keys are served."""
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,6 +30,21 @@ def _curve_dealer(address, identity, public, secret, server_public):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return ctx, sock
+
+
+@contextlib.asynccontextmanager
+async def fleet_with_a_worker_key(tmp_path, tokens_per_s: float):
+    """A fleet that admits remote workers, one key pair allowed: (supervisor, a DEALER factory
+    for an identity with that key)."""
+    keys_dir = str(tmp_path / "keys")
+    make_keys(keys_dir)
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
+                         accept_remote_workers=True, engine_options={"tokens_per_s": tokens_per_s})
+    async with Supervisor(config) as sup:
+        pub, sec = zmq.curve_keypair()
+        sup.allow_worker_key(pub)
+        server_pub = load_client_keys(keys_dir)[2]
+        yield sup, lambda identity: _curve_dealer(sup.worker_address, identity, pub, sec, server_pub)
 
 
 def test_loopback_rule():
@@ -157,20 +173,13 @@ async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_
     # request's tokens, its worker's load and its end stay the real worker's.
     import msgpack
 
-    keys_dir = str(tmp_path / "keys")
-    make_keys(keys_dir)
-    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
-                         accept_remote_workers=True, engine_options={"tokens_per_s": 100})
-    async with Supervisor(config) as sup:
-        pub, sec = zmq.curve_keypair()
-        sup.allow_worker_key(pub)
-        server_pub = load_client_keys(keys_dir)[2]
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=100) as (sup, dealer):
         client = sup.client()
         victim = asyncio.create_task(client.generate("victim", [1, 2], SamplingParams(max_tokens=40)))
         while not sup.table.num_inner:
             await asyncio.sleep(0.01)
         inner = next(iter(sup.table)).inner_id
-        ctx, sock = _curve_dealer(sup.worker_address, b"nodeA/w0-0", pub, sec, server_pub)
+        ctx, sock = dealer(b"nodeA/w0-0")
         try:
             def send(kind, **fields):
                 sock.send(msgpack.packb({"v": 1, "type": kind, **fields}))
@@ -200,18 +209,11 @@ async def test_a_replaced_remote_generation_is_told_to_exit_and_cannot_come_back
     # never displaces a newer one.
     import msgpack
 
-    keys_dir = str(tmp_path / "keys")
-    make_keys(keys_dir)
-    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
-                         accept_remote_workers=True, engine_options={"tokens_per_s": 0})
-    async with Supervisor(config) as sup:
-        pub, sec = zmq.curve_keypair()
-        sup.allow_worker_key(pub)
-        server_pub = load_client_keys(keys_dir)[2]
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=0) as (sup, dealer):
         socks = {}
         try:
             async def register(identity: bytes) -> dict:
-                ctx, sock = socks.get(identity) or _curve_dealer(sup.worker_address, identity, pub, sec, server_pub)
+                ctx, sock = socks.get(identity) or dealer(identity)
                 socks[identity] = (ctx, sock)
                 sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register",
                                          "worker_id": identity.decode(), "pid": 1, "engine": "echo"}))
