@@ -704,8 +704,8 @@ class Supervisor:
         self._auth.allow(public_key.encode() if isinstance(public_key, str) else public_key)
 
     def _send_shutdown(self, identity: bytes) -> None:
-        """Tell a worker process the fleet no longer counts on it to exit; best effort (it
-        may be gone already)."""
+        """Tell a worker process that the fleet no longer counts on it, so that it exits; best
+        effort (it may be gone already)."""
         try:
             # (identity, header)
             self._wsock.send([identity, codec.encode(Shutdown(id="shutdown"))])
