@@ -79,6 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-send-hwm", type=at_least(0), default=100_000, metavar="N",
                         help="Messages that may wait for one client; a client that stops reading past "
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
+    parser.add_argument("--store-bind", default=None, metavar="HOST:PORT",
+                        help="Admit workers of other nodes: run a TCPStore at HOST:PORT (port 0 picks a free "
+                             "one; printed as 'rollfleet store on HOST:PORT') and publish the worker socket in "
+                             "it. On each other node, `python -m rollfleet.actors.node --store HOST:PORT "
+                             "--workers N` then starts N workers that register with this fleet over CurveZMQ "
+                             "(README, Several nodes). Requires --keys-dir. The store admits any node key "
+                             "written to it: bind it only where the fleet's own nodes reach it.")
+    parser.add_argument("--worker-bind", default=None, metavar="tcp://HOST:PORT",
+                        help="With --store-bind: the worker socket that other nodes' workers dial (default "
+                             "tcp://<the --store-bind host>:0, a free port). A wildcard host (0.0.0.0, *) is "
+                             "published as --advertise-host.")
+    parser.add_argument("--advertise-host", default=None, metavar="NAME",
+                        help="With --store-bind: the host name other nodes dial for a wildcard --worker-bind "
+                             "(default: this host's fully qualified name).")
     parser.add_argument("--max-client-message-bytes", type=at_least(1024, 1 << 30), default=64 << 20, metavar="N",
                         help="Largest message header (its first frame) a client may send; a larger one is "
                              "answered too_large (at least 1024, at most 1073741824 = 1 GiB, the socket's "
@@ -99,6 +113,50 @@ def _seconds(text: str) -> float:
     if not value > 0:  # NaN included
         raise argparse.ArgumentTypeError(f"must be a number > 0 (or inf), got {text}")
     return value
+
+
+def _host_port(flag: str, text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) with a port in 0..65535; raises ValueError naming ``flag``."""
+    host, colon, port = text.strip().rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} {text}: expected HOST:PORT with a port in 0..65535")
+    return host.strip("[]"), int(port)
+
+
+def worker_bind(args: argparse.Namespace) -> str | None:
+    """The worker socket's address with --store-bind (None without it)."""
+    if args.store_bind is None:
+        return None
+    if args.worker_bind is not None:
+        return args.worker_bind.strip()
+    host, _ = _host_port("--store-bind", args.store_bind)
+    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+
+
+def open_store(text: str) -> Any:
+    """The TCPStore that serve runs for other nodes' agents, listening at HOST:PORT only (a
+    TCPStore left to bind by itself listens on every interface, whatever host it is given)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    host, port = _host_port("--store-bind", text)
+    host = "0.0.0.0" if host == "*" else host
+    family, kind, proto, _, address = socket.getaddrinfo(None if host == "0.0.0.0" else host, port,
+                                                         type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+        store = dist.TCPStore(host, listener.getsockname()[1], None, True, datetime.timedelta(seconds=30),
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it when it is destroyed
+    return store
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,6 +194,22 @@ def check_args(args: argparse.Namespace) -> None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or port.isdigit() and int(port) <= 65535):
             raise ValueError(f"--bind {args.bind}: expected tcp://HOST:PORT with a port in 0..65535")
+    store_bind = getattr(args, "store_bind", None)
+    if store_bind is None:
+        for flag, value in (("--worker-bind", args.worker_bind), ("--advertise-host", args.advertise_host)):
+            if value is not None:
+                raise ValueError(f"{flag} applies only with --store-bind (workers of other nodes)")
+    else:
+        _host_port("--store-bind", store_bind)
+        if args.keys_dir is None:
+            raise ValueError("--store-bind requires --keys-dir: other nodes' workers register over CurveZMQ")
+        if args.worker_bind is not None:
+            scheme, sep, rest = args.worker_bind.strip().partition("://")
+            if scheme != "tcp" or not sep:
+                raise ValueError(f"--worker-bind takes tcp://HOST:PORT, got {args.worker_bind!r}")
+            _host_port("--worker-bind", rest)
+        if args.advertise_host is not None and not args.advertise_host.strip():
+            raise ValueError("--advertise-host: empty host name")
     devices = _devices(args)
     if devices is not None:
         if not all(devices) or len(devices) != args.workers:
@@ -152,7 +226,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the fleet until SIGINT/SIGTERM/SIGHUP. Returns the exit code: 0 after a signal,
-    1 if the fleet failed to start, 2 on bad options."""
+    1 if the fleet failed to start or the --store-bind address could not be bound, 2 on bad options."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     # First of all, so that a signal at any moment from here on (while the imports below run,
@@ -165,6 +239,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     model_dir: str | None = None
     fleet = None
+    store = None  # the TCPStore of --store-bind: lives until the fleet has shut down and marked it closed
     wrote_ready = False
     try:
         from .actors import FleetConfig, Supervisor
@@ -183,7 +258,8 @@ async def serve(args: argparse.Namespace) -> int:
                                  devices=_devices(args), frontend_addr=args.bind, start_timeout_s=args.start_timeout,
                                  curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
                                  report_interval_s=args.report_interval,
-                                 max_client_message_bytes=args.max_client_message_bytes)
+                                 max_client_message_bytes=args.max_client_message_bytes,
+                                 worker_addr=worker_bind(args), accept_remote_workers=args.store_bind is not None)
         except ValueError as exc:
             print(f"rollfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -212,6 +288,18 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"rollfleet serve: the fleet failed to start: {exc}", file=sys.stderr)
             return 1
         address = fleet.frontend_address or ""
+        if args.store_bind is not None:
+            from .actors.node import publish_router
+
+            try:
+                store = open_store(args.store_bind)
+                publish_router(store, fleet, host=args.advertise_host)
+            except Exception as exc:  # the port taken, a host not of this machine, ...
+                print(f"rollfleet serve: --store-bind {args.store_bind}: {exc}", file=sys.stderr)
+                return 1
+            store_host, _ = _host_port("--store-bind", args.store_bind)
+            store_host = f"[{store_host}]" if ":" in store_host else store_host
+            print(f"rollfleet store on {store_host}:{store.port} (workers {fleet.worker_address})", flush=True)
         if model_dir is not None:
             fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it
         if args.ready_file:
@@ -230,6 +318,7 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             await fleet.shutdown()
+        del store
         for sig in signals:
             loop.remove_signal_handler(sig)
         if wrote_ready:

@@ -55,6 +55,13 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--devices", "cpu,"),
     ("serve", "--engine", "echo", "--workers", "2", "--devices", "cpu"),
     ("serve", "--engine", "echo", "--devices", ""),
+    ("serve", "--engine", "echo", "--store-bind", "127.0.0.1:0"),
+    ("serve", "--engine", "echo", "--worker-bind", "tcp://127.0.0.1:0"),
+    ("serve", "--engine", "echo", "--advertise-host", "node1"),
+    ("serve", "--engine", "echo", "--keys-dir", "/", "--store-bind", "nohost"),
+    ("serve", "--engine", "echo", "--keys-dir", "/", "--store-bind", "127.0.0.1:70000"),
+    ("serve", "--engine", "echo", "--keys-dir", "/", "--store-bind", "127.0.0.1:0", "--worker-bind", "ipc:///tmp/w"),
+    ("serve", "--engine", "echo", "--keys-dir", "/", "--store-bind", "127.0.0.1:0", "--worker-bind", "tcp://h"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     out = run(*args)
@@ -64,8 +71,13 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args):
     assert out.stderr.startswith("rollfleet"), out.stderr
     flags = [a for a in args if a.startswith("--") and a not in ("--engine", "--log-level")]
     flag = "--devices" if "--devices" in flags else next(iter(flags), None)
+    for named in ("--worker-bind", "--advertise-host", "--store-bind"):  # the one at fault, however ordered
+        if named in flags:
+            flag = named
+            break
     if args[:1] == ("serve",) and flag in ("--start-timeout", "--workers", "--client-send-hwm", "--max-client-message-bytes",
-                                           "--devices", "--report-interval"):
+                                           "--devices", "--report-interval", "--store-bind", "--worker-bind",
+                                           "--advertise-host"):
         assert flag in out.stderr, out.stderr  # said as the flag, not as the FleetConfig field behind it
 
 
@@ -317,3 +329,20 @@ def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_pa
             assert r.weight_versions == [0, 0] and 10 <= r.weight_version_starts[1] < 200, r
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_serve_whose_store_address_is_taken_says_so_and_exits_1(tmp_path):
+    import socket
+
+    from rollfleet.transport.auth import make_keys
+
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = run("serve", "--engine", "echo", "--keys-dir", keys, "--store-bind", f"127.0.0.1:{port}")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith(f"rollfleet serve: --store-bind 127.0.0.1:{port}: "), out.stderr
+    assert "Traceback" not in out.stderr

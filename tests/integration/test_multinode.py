@@ -314,3 +314,67 @@ def test_agent_waiting_for_the_router_stops_at_once_on_a_signal(sig):
             agent.kill()
             agent.wait(10)
         del store
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(180)
+async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_reach_them(tmp_path):
+    # `rollfleet serve --store-bind` runs the store itself: an agent pointed at it (as one on
+    # another node would be) brings its workers into the served fleet, a client's requests
+    # reach them, and when serve stops the agent and its workers stop too.
+    from rollfleet.actors.client import RemoteClient
+    from rollfleet.transport.auth import load_client_keys
+
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    ready = tmp_path / "ready"
+    serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--workers", "1",
+                              "--bind", "tcp://127.0.0.1:0", "--keys-dir", keys, "--store-bind", "127.0.0.1:0",
+                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        line = serve.stdout.readline().split()
+        assert line[:3] == ["rollfleet", "store", "on"], line
+        store_address = line[3]
+        assert store_address.startswith("127.0.0.1:") and line[5].startswith("tcp://127.0.0.1:")
+        assert serve.stdout.readline().startswith("rollfleet serving on ")
+        address = ready.read_text().strip()
+        # The store listens on the address it was given only, not on every interface.
+        port = int(store_address.rpartition(":")[2])
+        listening = [c.laddr for c in psutil.Process(serve.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [a.ip for a in listening] == ["127.0.0.1"]
+
+        agent = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.node", "--store", store_address,
+                                  "--workers", "2", "--name", "othernode", "--timeout", "30",
+                                  "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True)
+        prompt = [4, 5, 6]
+        async with RemoteClient(address, curve_keys=load_client_keys(keys)) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                stats = await client.stats()
+                remote = [w["worker_id"] for w in stats["workers"]
+                          if w["worker_id"].startswith("othernode.") and w["state"] == "ready"]
+                if len(remote) == 2:
+                    break
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.1)
+            assert stats["num_workers"] == 3
+            assert {w["host"] for w in stats["workers"] if w["worker_id"] in remote} == {"othernode"}
+            results = await asyncio.gather(*(client.generate(f"r{i}", prompt, SamplingParams(max_tokens=6))
+                                             for i in range(24)))
+            assert all(r.token_ids == echo_tokens(prompt, 6) for r in results)
+            assert set(remote) <= {r.worker for r in results}
+        workers = psutil.Process(agent.pid).children()
+        assert len(workers) == 2
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        assert agent.wait(timeout=30) == 0, agent.stderr.read()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive
+        assert not ready.exists()
+    finally:
+        for proc in (serve, agent):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
