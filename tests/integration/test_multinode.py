@@ -378,3 +378,59 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-node test skipped: {WHY_NOT}")
+@pytest.mark.timeout(180)
+async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by_its_advertised_name(tmp_path):
+    # The worker socket listens on every interface; agents on the other host dial the name
+    # serve advertises (here the address the other host reaches it at), found in the store.
+    from rollfleet.actors.client import RemoteClient
+    from rollfleet.transport.auth import load_client_keys
+
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    ready = tmp_path / "ready"
+    with Namespace() as ns:
+        serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo",
+                                  "--bind", "tcp://127.0.0.1:0", "--keys-dir", keys, "--ready-file", str(ready),
+                                  "--store-bind", f"{ns.host_ip}:0", "--worker-bind", "tcp://0.0.0.0:0",
+                                  "--advertise-host", ns.host_ip], stdout=subprocess.PIPE, text=True)
+        agent = None
+        try:
+            line = serve.stdout.readline().split()
+            assert line[:3] == ["rollfleet", "store", "on"] and line[3].startswith(f"{ns.host_ip}:"), line
+            serve.stdout.readline()
+            agent = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
+                                      "--store", line[3], "--workers", "1", "--name", "nodeb", "--timeout", "30",
+                                      "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+            async with RemoteClient(ready.read_text().strip(), curve_keys=load_client_keys(keys)) as client:
+                deadline = time.monotonic() + 60
+                while True:
+                    rows = (await client.stats())["workers"]
+                    remote = [w for w in rows if w["host"] == "nodeb" and w["state"] == "ready"]
+                    if remote:
+                        break
+                    assert time.monotonic() < deadline, rows
+                    await asyncio.sleep(0.1)
+                assert remote[0]["pid"] in ns.pids()
+                results = await asyncio.gather(*(client.generate(f"n{i}", [9, 8], SamplingParams(max_tokens=4))
+                                                 for i in range(16)))
+                assert remote[0]["worker_id"] in {r.worker for r in results}
+                assert all(r.token_ids == echo_tokens([9, 8], 4) for r in results)
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(30) == 0
+            assert agent.wait(timeout=30) == 0, agent.stderr.read()
+            deadline = time.monotonic() + 10
+            while ns.pids() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ns.pids() == [], "processes left in the node's namespace"
+        finally:
+            for proc in (serve, agent):
+                if proc is not None and proc.poll() is None:
+                    if proc is agent:
+                        os.killpg(proc.pid, signal.SIGKILL)  # its workers too
+                    else:
+                        proc.kill()
+                    proc.wait(10)
