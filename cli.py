@@ -167,6 +167,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return _run(serve(args))
 
 
+def _cmd_node(args: argparse.Namespace) -> int:
+    from .actors.node import run
+
+    return run(args, args.command_parser)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Bad options: one line on stderr and exit 2 (the usage is what --help is for)."""
 
@@ -218,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Replace keys already in DIRECTORY (clients given the old keys are then refused). "
                            "Default: refuse and exit 1.")
     keys.set_defaults(func=_cmd_keys, command_parser=keys)
+
+    node_help = "Run this node's workers for a fleet on another host (rollfleet serve --store-bind, or a job's store)."
+    node = sub.add_parser("node", help=node_help)
+    from .actors.node import add_arguments as add_node_arguments
+
+    add_node_arguments(node)
+    node.set_defaults(func=_cmd_node, command_parser=node)
 
     try:
         from .serve import add_arguments

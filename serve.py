@@ -82,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-bind", default=None, metavar="HOST:PORT",
                         help="Admit workers of other nodes: run a TCPStore at HOST:PORT (port 0 picks a free "
                              "one; printed as 'rollfleet store on HOST:PORT') and publish the worker socket in "
-                             "it. On each other node, `python -m rollfleet.actors.node --store HOST:PORT "
-                             "--workers N` then starts N workers that register with this fleet over CurveZMQ "
+                             "it. On each other node, `rollfleet node --store HOST:PORT --workers N` then "
+                             "starts N workers that register with this fleet over CurveZMQ "
                              "(README, Several nodes). Requires --keys-dir. The store admits any node key "
                              "written to it: bind it only where the fleet's own nodes reach it.")
     parser.add_argument("--worker-bind", default=None, metavar="tcp://HOST:PORT",

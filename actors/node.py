@@ -21,8 +21,8 @@ Keys under ``<prefix>/`` in the store:
 Anyone who can write to the store can admit a key, so the store must be reachable only by
 the job's own nodes, as torchrun's store already must be.
 
-Run an agent with ``python -m rollfleet.actors.node --store HOST:PORT --workers N``, or
-in-process: ``NodeAgent(store, num_workers=N).start()``. Under torchrun every rank already
+Run an agent with ``rollfleet node --store HOST:PORT --workers N`` (or ``python -m
+rollfleet.actors.node``), or in-process: ``NodeAgent(store, num_workers=N).start()``. Under torchrun every rank already
 shares the rendezvous store: after ``init_process_group``, rank 0 starts the Supervisor and
 calls ``publish_router(dist.distributed_c10d._get_default_store(), sup)``, and local rank
 0 of each other node starts a NodeAgent on that same store.
@@ -52,7 +52,7 @@ from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import WorkerProcess, device_env, sampling_seed
 
-__all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "DEFAULT_PREFIX"]
+__all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "add_arguments", "run", "DEFAULT_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -368,12 +368,11 @@ def connect_store(address: str, timeout_s: float) -> Any:
     return dist.TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=timeout_s))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..cli import OneLineParser
-
-    parser = OneLineParser(prog="python -m rollfleet.actors.node",
-                                     description="Run this node's rollfleet workers for a fleet on another host.")
-    parser.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of a node agent (``rollfleet node``, ``python -m rollfleet.actors.node``)."""
+    parser.description = "Run this node's rollfleet workers for a fleet on another host."
+    parser.add_argument("--store", required=True,
+                        help="HOST:PORT of the job's TCPStore (or of `rollfleet serve --store-bind`)")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix the supervisor published under")
     parser.add_argument("--workers", type=int, default=1, help="workers on this node")
     parser.add_argument("--devices", default="", help="comma-separated device per worker (default: cpu)")
@@ -385,9 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the store and admission")
     parser.add_argument("--supervisor-timeout", type=float, default=30.0,
                         help="stop when the supervisor's beat in the store stands still this long (default 30)")
-    parser.add_argument("--log-level", default=logging.INFO, type=log_level,
-                        help="DEBUG, INFO, WARNING, ERROR, CRITICAL (any case) or a number (default INFO)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run a node agent from parsed options until the fleet closes or a signal; returns the exit
+    code (0 stopped, 1 the store could not be reached; bad options exit 2 through ``parser``)."""
     # Checked before the store is reached, which may take --timeout to fail.
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
@@ -405,7 +406,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
     try:
         store = connect_store(args.store, args.timeout)
         agent = NodeAgent(store, engine=args.engine, engine_options=options, num_workers=args.workers,
@@ -427,6 +427,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         agent.shutdown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rollfleet.actors.node``: the same as ``rollfleet node``, logging at INFO by default."""
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m rollfleet.actors.node")
+    add_arguments(parser)
+    parser.add_argument("--log-level", default=logging.INFO, type=log_level,
+                        help="DEBUG, INFO, WARNING, ERROR, CRITICAL (any case) or a number (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s node %(name)s: %(message)s")
+    return run(args, parser)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,7 @@ def test_python_dash_m_rollfleet_is_the_command():
     ("stats", "Print the stats of a running fleet"),
     ("keys", "Create CurveZMQ keys for a fleet"),
     ("serve", "serve its client-facing ZeroMQ ROUTER socket"),
+    ("node", "Run this node's rollfleet workers for a fleet on another host"),
 ])
 def test_the_help_of_each_command_says_what_it_does(command, says):
     out = run(command, "--help")
@@ -223,17 +224,29 @@ def test_the_help_of_each_command_says_what_it_does(command, says):
     ("--store", "127.0.0.1:1", "--engine", "torch", "--engine-options", '{"max_batchsize": 4}'),
     ("--store", "127.0.0.1:1", "--engine", "tensorrt"),
 ])
-def test_node_agent_checks_its_options_before_reaching_the_store(args):
-    out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", *args], capture_output=True, text=True,
-                         timeout=60)
+@pytest.mark.parametrize("command", ["python -m rollfleet.actors.node", "rollfleet node"])
+def test_node_agent_checks_its_options_before_reaching_the_store(args, command):
+    if command == "rollfleet node":
+        if "--log-level" in args:  # an option of rollfleet itself, given before the command
+            i = args.index("--log-level")
+            args = ("--log-level", args[i + 1], "node", *args[:i], *args[i + 2:])
+        else:
+            args = ("node", *args)
+        out = run(*args)
+        prog = "rollfleet" if args[0] == "--log-level" else "rollfleet node"
+    else:
+        out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", *args], capture_output=True, text=True,
+                             timeout=60)
+        prog = command
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("python -m rollfleet.actors.node: error:")
+    assert out.stderr.startswith(f"{prog}: error:"), out.stderr
 
 
-def test_node_agent_without_a_store_is_one_line_exit_1():
-    out = subprocess.run([sys.executable, "-m", "rollfleet.actors.node", "--store", "127.0.0.1:1", "--timeout", "1"],
-                         capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "rollfleet.actors.node"], [*CLI, "node"]])
+def test_node_agent_without_a_store_is_one_line_exit_1(command):
+    out = subprocess.run([*command, "--store", "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("rollfleet node: 127.0.0.1:1: ")
 

@@ -345,9 +345,9 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
         assert [a.ip for a in listening] == ["127.0.0.1"]
 
-        agent = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.node", "--store", store_address,
-                                  "--workers", "2", "--name", "othernode", "--timeout", "30",
-                                  "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True)
+        agent = subprocess.Popen([sys.executable, "-m", "rollfleet", "node", "--store", store_address,
+                                  "--workers", "2", "--name", "othernode", "--timeout", "30"],
+                                 stderr=subprocess.PIPE, text=True)
         prompt = [4, 5, 6]
         async with RemoteClient(address, curve_keys=load_client_keys(keys)) as client:
             deadline = time.monotonic() + 60
