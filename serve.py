@@ -289,7 +289,7 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.store_bind is not None:
-            from .actors.node import publish_router
+            from .actors.node import publish_router, reachable_address
 
             try:
                 store = open_store(args.store_bind)
@@ -299,7 +299,8 @@ async def serve(args: argparse.Namespace) -> int:
                 return 1
             store_host, _ = _host_port("--store-bind", args.store_bind)
             store_host = f"[{store_host}]" if ":" in store_host else store_host
-            print(f"rollfleet store on {store_host}:{store.port} (workers {fleet.worker_address})", flush=True)
+            published = reachable_address(fleet.worker_address, args.advertise_host)
+            print(f"rollfleet store on {store_host}:{store.port} (workers {published})", flush=True)
         if model_dir is not None:
             fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it
         if args.ready_file:

@@ -60,7 +60,7 @@ DEFAULT_PREFIX = "rollfleet"
 BEAT_INTERVAL_S = 1.0
 
 
-def _reachable_address(address: str, host: str | None) -> str:
+def reachable_address(address: str, host: str | None) -> str:
     """The worker address as other nodes must dial it: a wildcard bind gets a host name."""
     scheme, _, rest = address.partition("://")
     bound, _, port = rest.rpartition(":")
@@ -141,7 +141,7 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
     if not supervisor.worker_address.startswith("tcp://") or supervisor._server_keys is None:
         raise RuntimeError("publish_router needs a started supervisor with a tcp:// worker socket and curve keys")
     info = {
-        "address": _reachable_address(supervisor.worker_address, host),
+        "address": reachable_address(supervisor.worker_address, host),
         "server_key": supervisor._server_keys[0].decode(),
         "engine": cfg.engine,
         "engine_options": cfg.engine_options,
@@ -358,14 +358,41 @@ class NodeAgent:
                 self._spawn(index)
 
 
+STORE_WAIT_WARNING_S = 10.0  # an agent still waiting for its store this long says so, once
+
+
+def wait_reachable(host: str, port: int, timeout_s: float) -> None:
+    """Wait until something accepts TCP connections at ``host:port``; raises ConnectionError
+    after ``timeout_s``. Checked here first because torch's TCPStore, waiting for an address
+    where nothing listens, writes a C++ trace to stderr at every retry."""
+    deadline = time.monotonic() + timeout_s
+    warned = False
+    started = time.monotonic()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"nothing answers there after {timeout_s:g} s ({exc})") from None
+            if not warned and time.monotonic() - started >= STORE_WAIT_WARNING_S:
+                warned = True
+                logger.warning("the store at %s:%d does not answer yet (%s); waiting up to %g s in all", host, port,
+                               exc, timeout_s)
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
 def connect_store(address: str, timeout_s: float) -> Any:
-    """A client of the TCPStore at ``host:port``."""
+    """A client of the TCPStore at ``host:port``, once that address answers (up to ``timeout_s``)."""
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--store must be HOST:PORT, got {address!r}")
-    return dist.TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=timeout_s))
+    host = host.strip("[]")
+    wait_reachable(host, int(port), timeout_s)
+    return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -373,15 +400,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run this node's rollfleet workers for a fleet on another host."
     parser.add_argument("--store", required=True,
                         help="HOST:PORT of the job's TCPStore (or of `rollfleet serve --store-bind`)")
-    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix the supervisor published under")
-    parser.add_argument("--workers", type=int, default=1, help="workers on this node")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX,
+                        help="key prefix the supervisor published under (default %(default)s, as "
+                             "publish_router's default and `rollfleet serve --store-bind` use)")
+    parser.add_argument("--workers", type=int, default=1, help="workers on this node (default 1)")
     parser.add_argument("--devices", default="", help="comma-separated device per worker (default: cpu)")
     parser.add_argument("--engine", default=None, help="engine (default: the fleet's)")
     parser.add_argument("--engine-options", default=None, help="JSON engine options (default: the fleet's)")
     parser.add_argument("--name", default=None,
                         help="this node's name, registered as the workers' host (default: the host name); "
-                             "a name other than the supervisor's host makes weights go over the collective")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the store and admission")
+                             "a name other than the supervisor's host makes weights go over the collective. "
+                             "Worker ids are NAME.<agent pid>/w<i>-<generation>")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds to wait for the store to answer, then for the router and admission "
+                             "(default 300); a store that does not answer in time exits 1")
     parser.add_argument("--supervisor-timeout", type=float, default=30.0,
                         help="stop when the supervisor's beat in the store stands still this long (default 30)")
 
@@ -407,12 +439,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
     try:
-        store = connect_store(args.store, args.timeout)
+        store = connect_store(args.store, args.timeout)  # (before the signal handlers: Ctrl-C ends the wait)
         agent = NodeAgent(store, engine=args.engine, engine_options=options, num_workers=args.workers,
                           devices=devices, prefix=args.prefix, name=args.name,
                           supervisor_timeout_s=args.supervisor_timeout)
     except ValueError as exc:
         parser.error(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C while waiting for the store: nothing started yet
+        return 130
     except Exception as exc:  # the store cannot be reached (torch's DistNetworkError, OSError, ...)
         print(f"rollfleet node: {args.store}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -248,7 +248,9 @@ def test_node_agent_without_a_store_is_one_line_exit_1(command):
     out = subprocess.run([*command, "--store", "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("rollfleet node: 127.0.0.1:1: ")
+    # One line: nothing of torch's own retries and C++ traces.
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("rollfleet node: 127.0.0.1:1: ConnectionError: nothing answers there after 1 s")
 
 
 def test_demo_whose_worker_cannot_start_says_why_then_shows_the_workers_output(tmp_path):
@@ -359,3 +361,17 @@ def test_serve_whose_store_address_is_taken_says_so_and_exits_1(tmp_path):
     assert out.returncode == 1, out.stderr
     assert out.stderr.startswith(f"rollfleet serve: --store-bind 127.0.0.1:{port}: "), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_stats_into_a_pipe_its_reader_closed_is_no_traceback(tmp_path):
+    # `rollfleet stats ADDR --json | head -1`: the reader goes away before the output is written.
+    proc, workers, sock = serve_and_its_workers(tmp_path)
+    with reaped(proc):
+        stats = subprocess.Popen([*CLI, "stats", f"ipc://{sock}", "--json"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        stats.stdout.close()
+        err = stats.stderr.read()
+        assert stats.wait(60) == 1
+        assert "Traceback" not in err and "BrokenPipeError" not in err, err
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

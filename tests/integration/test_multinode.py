@@ -400,6 +400,7 @@ async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by
         try:
             line = serve.stdout.readline().split()
             assert line[:3] == ["rollfleet", "store", "on"] and line[3].startswith(f"{ns.host_ip}:"), line
+            assert line[5].startswith(f"tcp://{ns.host_ip}:"), line  # the address agents dial, not 0.0.0.0
             serve.stdout.readline()
             agent = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
                                       "--store", line[3], "--workers", "1", "--name", "nodeb", "--timeout", "30",
