@@ -395,6 +395,20 @@ def connect_store(address: str, timeout_s: float) -> Any:
     return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
 
 
+def _quiet_torch_cpp_logs() -> None:
+    """Load torch with its C++ log level at FATAL in this process only (an agent's own torch
+    does nothing but talk to the store): a store that goes away, as one does when its fleet ends,
+    would otherwise print a C++ trace at every failed call, while the agent says so in one line.
+    Its workers, started later, do not inherit the setting. A level the user set is kept."""
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # read once, as torch loads
+    try:
+        import torch.distributed  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of a node agent (``rollfleet node``, ``python -m rollfleet.actors.node``)."""
     parser.description = "Run this node's rollfleet workers for a fleet on another host."
@@ -438,6 +452,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
+    _quiet_torch_cpp_logs()
     try:
         store = connect_store(args.store, args.timeout)  # (before the signal handlers: Ctrl-C ends the wait)
         agent = NodeAgent(store, engine=args.engine, engine_options=options, num_workers=args.workers,

@@ -435,3 +435,41 @@ async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by
                     else:
                         proc.kill()
                     proc.wait(10)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(120)
+def test_an_agent_whose_served_fleet_is_killed_stops_and_says_so_in_one_line(tmp_path):
+    # serve killed outright takes its store with it: the agent's next look at the store fails,
+    # and it stops with its workers, saying why in one line (no C++ trace of torch's).
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    ready = tmp_path / "ready"
+    serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--bind",
+                              "tcp://127.0.0.1:0", "--keys-dir", keys, "--store-bind", "127.0.0.1:0",
+                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        store_address = serve.stdout.readline().split()[3]
+        agent = subprocess.Popen([sys.executable, "-m", "rollfleet", "node", "--store", store_address, "--workers", "1",
+                                  "--name", "nodec"], stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(serve.pid).children()) < 1 or len(psutil.Process(agent.pid).children()) < 1:
+            assert time.monotonic() < deadline and agent.poll() is None
+            time.sleep(0.1)
+        time.sleep(1.0)  # the agent's worker registers
+        fleet_workers = psutil.Process(serve.pid).children()
+        agent_workers = psutil.Process(agent.pid).children()
+        serve.kill()
+        serve.wait(10)
+        assert agent.wait(timeout=30) == 0
+        err = agent.stderr.read()
+        assert "store unreachable" in err, err
+        assert "Exception raised from" not in err and "frame #" not in err, err
+        gone, alive = psutil.wait_procs(fleet_workers + agent_workers, timeout=15)
+        assert not alive
+    finally:
+        for proc in (serve, agent):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
