@@ -316,68 +316,99 @@ def test_agent_waiting_for_the_router_stops_at_once_on_a_signal(sig):
         del store
 
 
+class ServedFleet:
+    """``rollfleet serve --engine echo --store-bind ...`` (keys made for it) and the node agents
+    started for it with ``agent()``; whatever still runs at the end is killed."""
+
+    def __init__(self, tmp_path, *extra: str, store_bind: str = "127.0.0.1:0"):
+        self.keys = str(tmp_path / "keys")
+        self.ready = tmp_path / "ready"
+        self.argv = [sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--bind", "tcp://127.0.0.1:0",
+                     "--keys-dir", self.keys, "--store-bind", store_bind, "--ready-file", str(self.ready), *extra]
+        self.agents: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "ServedFleet":
+        make_keys(self.keys)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
+        try:
+            line = self.proc.stdout.readline().split()  # rollfleet store on HOST:PORT (workers ADDR)
+            assert line[:3] == ["rollfleet", "store", "on"] and line[4] == "(workers", line
+            self.store, self.workers_address = line[3], line[5].rstrip(")")
+            assert self.proc.stdout.readline().startswith("rollfleet serving on ")
+            self.address = self.ready.read_text().strip()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def agent(self, *args: str, netns: str | None = None) -> subprocess.Popen:
+        """``rollfleet node --store <this store> ARGS``, in network namespace ``netns`` if given."""
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "rollfleet", "node", "--store", self.store, *args],
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.agents.append(proc)
+        return proc
+
+    def client(self):  # type: ignore[no-untyped-def]
+        from rollfleet.actors.client import RemoteClient
+        from rollfleet.transport.auth import load_client_keys
+
+        return RemoteClient(self.address, curve_keys=load_client_keys(self.keys))
+
+    @staticmethod
+    async def ready_on(client, host: str, n: int, timeout: float = 60) -> tuple[dict, list[dict]]:  # type: ignore[no-untyped-def]
+        """Once ``n`` workers of ``host`` are ready: (the fleet's stats, those workers' rows)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = await client.stats()
+            rows = [w for w in stats["workers"] if w["host"] == host and w["state"] == "ready"]
+            if len(rows) >= n:
+                return stats, rows
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.agents:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its workers too
+                proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 @pytest.mark.timeout(180)
 async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_reach_them(tmp_path):
     # `rollfleet serve --store-bind` runs the store itself: an agent pointed at it (as one on
     # another node would be) brings its workers into the served fleet, a client's requests
     # reach them, and when serve stops the agent and its workers stop too.
-    from rollfleet.actors.client import RemoteClient
-    from rollfleet.transport.auth import load_client_keys
-
-    keys = str(tmp_path / "keys")
-    make_keys(keys)
-    ready = tmp_path / "ready"
-    serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--workers", "1",
-                              "--bind", "tcp://127.0.0.1:0", "--keys-dir", keys, "--store-bind", "127.0.0.1:0",
-                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
-    agent = None
-    try:
-        line = serve.stdout.readline().split()
-        assert line[:3] == ["rollfleet", "store", "on"], line
-        store_address = line[3]
-        assert store_address.startswith("127.0.0.1:") and line[5].startswith("tcp://127.0.0.1:")
-        assert serve.stdout.readline().startswith("rollfleet serving on ")
-        address = ready.read_text().strip()
+    with ServedFleet(tmp_path) as fleet:
+        assert fleet.store.startswith("127.0.0.1:") and fleet.workers_address.startswith("tcp://127.0.0.1:")
         # The store listens on the address it was given only, not on every interface.
-        port = int(store_address.rpartition(":")[2])
-        listening = [c.laddr for c in psutil.Process(serve.pid).net_connections("tcp")
+        port = int(fleet.store.rpartition(":")[2])
+        listening = [c.laddr for c in psutil.Process(fleet.proc.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
         assert [a.ip for a in listening] == ["127.0.0.1"]
 
-        agent = subprocess.Popen([sys.executable, "-m", "rollfleet", "node", "--store", store_address,
-                                  "--workers", "2", "--name", "othernode", "--timeout", "30"],
-                                 stderr=subprocess.PIPE, text=True)
+        agent = fleet.agent("--workers", "2", "--name", "othernode", "--timeout", "30")
         prompt = [4, 5, 6]
-        async with RemoteClient(address, curve_keys=load_client_keys(keys)) as client:
-            deadline = time.monotonic() + 60
-            while True:
-                stats = await client.stats()
-                remote = [w["worker_id"] for w in stats["workers"]
-                          if w["worker_id"].startswith("othernode.") and w["state"] == "ready"]
-                if len(remote) == 2:
-                    break
-                assert time.monotonic() < deadline, stats
-                await asyncio.sleep(0.1)
-            assert stats["num_workers"] == 3
-            assert {w["host"] for w in stats["workers"] if w["worker_id"] in remote} == {"othernode"}
+        async with fleet.client() as client:
+            stats, rows = await fleet.ready_on(client, "othernode", 2)
+            remote = {w["worker_id"] for w in rows}
+            assert all(w.startswith("othernode.") for w in remote) and stats["num_workers"] == 3
             results = await asyncio.gather(*(client.generate(f"r{i}", prompt, SamplingParams(max_tokens=6))
                                              for i in range(24)))
             assert all(r.token_ids == echo_tokens(prompt, 6) for r in results)
-            assert set(remote) <= {r.worker for r in results}
+            assert remote <= {r.worker for r in results}
         workers = psutil.Process(agent.pid).children()
         assert len(workers) == 2
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(30) == 0
+        fleet.proc.send_signal(signal.SIGTERM)
+        assert fleet.proc.wait(30) == 0
         assert agent.wait(timeout=30) == 0, agent.stderr.read()
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
-        assert not ready.exists()
-    finally:
-        for proc in (serve, agent):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        assert not fleet.ready.exists()
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-node test skipped: {WHY_NOT}")
@@ -385,91 +416,44 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
 async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by_its_advertised_name(tmp_path):
     # The worker socket listens on every interface; agents on the other host dial the name
     # serve advertises (here the address the other host reaches it at), found in the store.
-    from rollfleet.actors.client import RemoteClient
-    from rollfleet.transport.auth import load_client_keys
-
-    keys = str(tmp_path / "keys")
-    make_keys(keys)
-    ready = tmp_path / "ready"
-    with Namespace() as ns:
-        serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo",
-                                  "--bind", "tcp://127.0.0.1:0", "--keys-dir", keys, "--ready-file", str(ready),
-                                  "--store-bind", f"{ns.host_ip}:0", "--worker-bind", "tcp://0.0.0.0:0",
-                                  "--advertise-host", ns.host_ip], stdout=subprocess.PIPE, text=True)
-        agent = None
-        try:
-            line = serve.stdout.readline().split()
-            assert line[:3] == ["rollfleet", "store", "on"] and line[3].startswith(f"{ns.host_ip}:"), line
-            assert line[5].startswith(f"tcp://{ns.host_ip}:"), line  # the address agents dial, not 0.0.0.0
-            serve.stdout.readline()
-            agent = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
-                                      "--store", line[3], "--workers", "1", "--name", "nodeb", "--timeout", "30",
-                                      "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-            async with RemoteClient(ready.read_text().strip(), curve_keys=load_client_keys(keys)) as client:
-                deadline = time.monotonic() + 60
-                while True:
-                    rows = (await client.stats())["workers"]
-                    remote = [w for w in rows if w["host"] == "nodeb" and w["state"] == "ready"]
-                    if remote:
-                        break
-                    assert time.monotonic() < deadline, rows
-                    await asyncio.sleep(0.1)
-                assert remote[0]["pid"] in ns.pids()
-                results = await asyncio.gather(*(client.generate(f"n{i}", [9, 8], SamplingParams(max_tokens=4))
-                                                 for i in range(16)))
-                assert remote[0]["worker_id"] in {r.worker for r in results}
-                assert all(r.token_ids == echo_tokens([9, 8], 4) for r in results)
-            serve.send_signal(signal.SIGTERM)
-            assert serve.wait(30) == 0
-            assert agent.wait(timeout=30) == 0, agent.stderr.read()
-            deadline = time.monotonic() + 10
-            while ns.pids() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert ns.pids() == [], "processes left in the node's namespace"
-        finally:
-            for proc in (serve, agent):
-                if proc is not None and proc.poll() is None:
-                    if proc is agent:
-                        os.killpg(proc.pid, signal.SIGKILL)  # its workers too
-                    else:
-                        proc.kill()
-                    proc.wait(10)
+    with Namespace() as ns, ServedFleet(tmp_path, "--worker-bind", "tcp://0.0.0.0:0", "--advertise-host", ns.host_ip,
+                                        store_bind=f"{ns.host_ip}:0") as fleet:
+        assert fleet.store.startswith(f"{ns.host_ip}:")
+        assert fleet.workers_address.startswith(f"tcp://{ns.host_ip}:")  # the address agents dial, not 0.0.0.0
+        agent = fleet.agent("--workers", "1", "--name", "nodeb", "--timeout", "30", netns=ns.name)
+        async with fleet.client() as client:
+            _, (remote,) = await fleet.ready_on(client, "nodeb", 1)
+            assert remote["pid"] in ns.pids()
+            results = await asyncio.gather(*(client.generate(f"n{i}", [9, 8], SamplingParams(max_tokens=4))
+                                             for i in range(16)))
+            assert remote["worker_id"] in {r.worker for r in results}
+            assert all(r.token_ids == echo_tokens([9, 8], 4) for r in results)
+        fleet.proc.send_signal(signal.SIGTERM)
+        assert fleet.proc.wait(30) == 0
+        assert agent.wait(timeout=30) == 0, agent.stderr.read()
+        deadline = time.monotonic() + 10
+        while ns.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ns.pids() == [], "processes left in the node's namespace"
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 @pytest.mark.timeout(120)
-def test_an_agent_whose_served_fleet_is_killed_stops_and_says_so_in_one_line(tmp_path):
+async def test_an_agent_whose_served_fleet_is_killed_stops_and_says_so_in_one_line(tmp_path):
     # serve killed outright takes its store with it: the agent's next look at the store fails,
     # and it stops with its workers, saying why in one line (no C++ trace of torch's).
-    keys = str(tmp_path / "keys")
-    make_keys(keys)
-    ready = tmp_path / "ready"
-    serve = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "echo", "--bind",
-                              "tcp://127.0.0.1:0", "--keys-dir", keys, "--store-bind", "127.0.0.1:0",
-                              "--ready-file", str(ready)], stdout=subprocess.PIPE, text=True)
-    agent = None
-    try:
-        store_address = serve.stdout.readline().split()[3]
-        agent = subprocess.Popen([sys.executable, "-m", "rollfleet", "node", "--store", store_address, "--workers", "1",
-                                  "--name", "nodec"], stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while len(psutil.Process(serve.pid).children()) < 1 or len(psutil.Process(agent.pid).children()) < 1:
-            assert time.monotonic() < deadline and agent.poll() is None
-            time.sleep(0.1)
-        time.sleep(1.0)  # the agent's worker registers
-        fleet_workers = psutil.Process(serve.pid).children()
+    with ServedFleet(tmp_path) as fleet:
+        agent = fleet.agent("--workers", "1", "--name", "nodec")
+        async with fleet.client() as client:
+            await fleet.ready_on(client, "nodec", 1)
+        fleet_workers = psutil.Process(fleet.proc.pid).children()
         agent_workers = psutil.Process(agent.pid).children()
-        serve.kill()
-        serve.wait(10)
+        assert len(fleet_workers) == 1 and len(agent_workers) == 1
+        fleet.proc.kill()
+        fleet.proc.wait(10)
         assert agent.wait(timeout=30) == 0
         err = agent.stderr.read()
         assert "store unreachable" in err, err
         assert "Exception raised from" not in err and "frame #" not in err, err
         gone, alive = psutil.wait_procs(fleet_workers + agent_workers, timeout=15)
         assert not alive
-    finally:
-        for proc in (serve, agent):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
