@@ -194,7 +194,7 @@ def check_args(args: argparse.Namespace) -> None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or port.isdigit() and int(port) <= 65535):
             raise ValueError(f"--bind {args.bind}: expected tcp://HOST:PORT with a port in 0..65535")
-    store_bind = getattr(args, "store_bind", None)
+    store_bind = args.store_bind
     if store_bind is None:
         for flag, value in (("--worker-bind", args.worker_bind), ("--advertise-host", args.advertise_host)):
             if value is not None:

@@ -22,8 +22,9 @@ Anyone who can write to the store can admit a key, so the store must be reachabl
 the job's own nodes, as torchrun's store already must be.
 
 Run an agent with ``rollfleet node --store HOST:PORT --workers N`` (or ``python -m
-rollfleet.actors.node``), or in-process: ``NodeAgent(store, num_workers=N).start()``. Under torchrun every rank already
-shares the rendezvous store: after ``init_process_group``, rank 0 starts the Supervisor and
+rollfleet.actors.node``), or in-process: ``NodeAgent(store, num_workers=N).start()``. Under
+torchrun every rank already shares the rendezvous store: after ``init_process_group``, rank 0
+starts the Supervisor and
 calls ``publish_router(dist.distributed_c10d._get_default_store(), sup)``, and local rank
 0 of each other node starts a NodeAgent on that same store.
 """
@@ -395,6 +396,10 @@ def connect_store(address: str, timeout_s: float) -> Any:
     return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
 
 
+class _Stopped(BaseException):
+    """A signal came while the agent waited for its store."""
+
+
 def _quiet_torch_cpp_logs() -> None:
     """Load torch with its C++ log level at FATAL in this process only (an agent's own torch
     does nothing but talk to the store): a store that goes away, as one does when its fleet ends,
@@ -452,16 +457,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
-    _quiet_torch_cpp_logs()
+
+    def stop_waiting(*_: Any) -> None:
+        raise _Stopped
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a signal while the store is awaited: stop, nothing started
+        signal.signal(sig, stop_waiting)
     try:
-        store = connect_store(args.store, args.timeout)  # (before the signal handlers: Ctrl-C ends the wait)
+        _quiet_torch_cpp_logs()
+        store = connect_store(args.store, args.timeout)
         agent = NodeAgent(store, engine=args.engine, engine_options=options, num_workers=args.workers,
                           devices=devices, prefix=args.prefix, name=args.name,
                           supervisor_timeout_s=args.supervisor_timeout)
     except ValueError as exc:
         parser.error(str(exc))
-    except KeyboardInterrupt:  # Ctrl-C while waiting for the store: nothing started yet
-        return 130
+    except _Stopped:
+        return 0
     except Exception as exc:  # the store cannot be reached (torch's DistNetworkError, OSError, ...)
         print(f"rollfleet node: {args.store}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

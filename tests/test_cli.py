@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -375,3 +376,20 @@ def test_stats_into_a_pipe_its_reader_closed_is_no_traceback(tmp_path):
         assert "Traceback" not in err and "BrokenPipeError" not in err, err
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_node_agent_waiting_for_its_store_stops_on_a_signal_with_exit_0(sig):
+    # Nothing answers at the store's address yet (its fleet is still starting): a signal ends
+    # the wait at once, as README says, with nothing started and nothing on stderr.
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([*CLI, "node", "--store", f"127.0.0.1:{port}", "--timeout", "120"],
+                            stderr=subprocess.PIPE, text=True)
+    with reaped(proc):
+        time.sleep(3)  # past the imports, into the wait
+        assert proc.poll() is None
+        proc.send_signal(sig)
+        assert proc.wait(15) == 0
+        assert proc.stderr.read() == ""
