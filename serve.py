@@ -81,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
     parser.add_argument("--store-bind", default=None, metavar="HOST:PORT",
                         help="Admit workers of other nodes: run a TCPStore at HOST:PORT (port 0 picks a free "
-                             "one; printed as 'rollfleet store on HOST:PORT') and publish the worker socket in "
-                             "it. On each other node, `rollfleet node --store HOST:PORT --workers N` then "
+                             "one) and publish the worker socket in it; both are printed, before the client "
+                             "address, as 'rollfleet store on HOST:PORT (workers ADDR)'. On each other node, `rollfleet node --store HOST:PORT --workers N` then "
                              "starts N workers that register with this fleet over CurveZMQ "
                              "(README, Several nodes). Requires --keys-dir. The store admits any node key "
                              "written to it: bind it only where the fleet's own nodes reach it.")
