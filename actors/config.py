@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines import ENGINE_NAMES, check_engine_options
+from ..fielddoc import document_fields
 from ..transport.auth import check_bind
 
 __all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS", "MODES"]
@@ -24,6 +25,7 @@ DEVICE_ENV_VARS = {
 }
 
 
+@document_fields
 @dataclass(kw_only=True, slots=True)
 class RestartPolicy:
     max_restarts: int = 5
@@ -47,6 +49,7 @@ REPORT_INTERVAL_S = 0.5
 tokens (those not streamed)."""
 
 
+@document_fields
 @dataclass(kw_only=True, slots=True)
 class FleetConfig:
     """Everything a Supervisor needs to run a fleet; each field is documented where it is

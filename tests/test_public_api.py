@@ -84,3 +84,21 @@ def test_the_readme_python_example_runs_as_written(tmp_path):
     first, second = out.stdout.strip().splitlines()[-2:]
     assert first.endswith("[0]") and second.endswith("[1]")  # weight versions before and after the update
     assert first.split("]")[0] != second.split("]")[0]  # other weights, other tokens
+
+
+def test_help_of_each_settings_class_documents_every_field():
+    # The fields' docs are string literals under their declarations; help() shows them.
+    import dataclasses
+    import pydoc
+
+    from rollfleet.actors.config import FleetConfig, RestartPolicy
+    from rollfleet.transport.messages import SamplingParams
+    from rollfleet.weights.config import WeightSyncConfig
+
+    for cls in (FleetConfig, RestartPolicy, WeightSyncConfig, SamplingParams):
+        text = pydoc.plain(pydoc.render_doc(cls))
+        for f in dataclasses.fields(cls):
+            entry = text.split(f"\n |  {f.name}: ", 1)
+            assert len(entry) == 2, f"{cls.__name__}.{f.name} is not documented in help()"
+            doc = entry[1].split("\n", 2)[1]  # the line under "name: type = default"
+            assert doc.startswith(" |      ") and doc.strip(" |"), f"{cls.__name__}.{f.name}: no doc under it"

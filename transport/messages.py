@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar
 
+from ..fielddoc import document_fields
+
 __all__ = [
     "PROTOCOL_VERSION",
     "MsgType",
@@ -119,6 +121,7 @@ def check_control_args(op: str, args: dict[str, Any]) -> None:
             raise ValueError("start_profile needs args.trace_dir (a directory path)")
 
 
+@document_fields
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """Sampling settings of one request; the ``sampling`` map of ``generate``."""
@@ -127,7 +130,7 @@ class SamplingParams:
     """Most tokens to generate (>= 0). A model's engine also stops where prompt and output
     fill its context (finish_reason 'length' then too)."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """Below 1e-5 (0 included) means greedy, as in vLLM."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0

@@ -6,11 +6,14 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from ..fielddoc import document_fields
+
 __all__ = ["WeightSyncConfig", "TRANSPORTS", "choose_transport", "is_local_host"]
 
 TRANSPORTS = ("shm", "cuda_ipc", "collective", "zmq")
 
 
+@document_fields
 @dataclass(kw_only=True, slots=True)
 class WeightSyncConfig:
     bucket_bytes: int = 256 << 20
