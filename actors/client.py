@@ -358,7 +358,9 @@ class _Base:
         """Yield StreamChunk objects as tokens arrive, then the final GenerationResult.
 
         Raises like ``generate``. Closing the iterator early (``aclose()``, or leaving
-        ``async with contextlib.aclosing(client.stream(...))``) aborts the request; after a
+        ``async with contextlib.aclosing(client.stream(...))``) stops the request on its worker,
+        as cancelling a ``generate`` does (stats count it under ``num_cancelled`` for the
+        in-process client, under ``num_aborted`` for a RemoteClient, which sends ``abort``); after a
         plain ``break`` that waits until the garbage collector closes it.
         """
         # Closed here, not left to the collector: aclose() must abort before it returns (a

@@ -78,7 +78,7 @@ def check_engine_options(name: str, options: dict[str, Any] | None) -> None:
     if unknown:
         hint = " (other arguments of the engine itself go in 'extra', a dict)" if "extra" in known else ""
         raise ValueError(f"unknown {name} engine option(s) {', '.join(map(repr, unknown))}; "
-                         f"it takes {', '.join(sorted(known))}{hint}")
+                         f"it takes {', '.join(sorted(known - _FLEET_OPTIONS.keys()))}{hint}")
     for key, value in options.items():
         check = _VALUE_CHECKS.get((name, key)) or _VALUE_CHECKS.get((None, key))
         if check is not None and value is not None and not check[1](value):

@@ -20,6 +20,9 @@ def test_a_misspelt_option_is_refused_by_the_config_naming_it_and_the_right_one(
         FleetConfig(engine="torch", engine_options={"max_batchsize": 4})
     text = str(info.value)
     assert "'max_batchsize'" in text and "max_batch_size" in text and "torch" in text
+    # What it lists as taken is what a user may give: not the options the fleet sets itself.
+    taken = text.split("it takes ", 1)[1].split(", ")
+    assert "seed" in taken and "device" not in taken and "private_dir" not in taken
 
 
 def test_engines_that_pass_arguments_through_point_to_extra():
