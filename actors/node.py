@@ -12,7 +12,9 @@ Keys under ``<prefix>/`` in the store:
   max_message_bytes}, written by ``publish_router``;
 - ``nodes``: a counter; agent n writes ``node/<n>/name`` and ``node/<n>/public`` (its
   CurveZMQ public key, Z85) and waits for ``node/<n>/admitted``, which the publisher
-  writes once the supervisor accepts that key;
+  writes once the supervisor accepts that key. The publisher looks at every index taken
+  whose key has not come yet, so an agent that died before writing its key keeps no later
+  one out; a ``public`` that is not a CurveZMQ public key is refused and logged;
 - ``closed``: set when the supervisor has shut down; agents then stop;
 - ``beat``: a counter the publisher adds to every second while the supervisor's process
   lives; an agent that sees it stand still for ``supervisor_timeout_s`` stops (a supervisor
@@ -86,7 +88,9 @@ class RouterPublication:
         supervisor.closing_hooks.append(self.close)
 
     def _watch(self) -> None:
-        index = 0
+        p = self.prefix
+        seen = 0  # node indices below this are taken by agents (the store's "nodes" counter)
+        waiting: set[int] = set()  # of those, the ones whose key is not in the store yet
         last_beat = 0.0
         while not self._stop.is_set():
             if self.supervisor.closed:
@@ -95,23 +99,40 @@ class RouterPublication:
             try:
                 if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
                     last_beat = time.monotonic()
-                    self.store.add(f"{self.prefix}/beat", 1)
+                    self.store.add(f"{p}/beat", 1)
                 # The store is used from this thread only, after publish_router returned.
-                key = f"{self.prefix}/node/{index}/public"
-                if self.store.check([key]):
-                    public = self.store.get(key).decode()
-                    name = self.store.get(f"{self.prefix}/node/{index}/name").decode()
-                    self.supervisor.allow_worker_key(public)
-                    self.store.set(f"{self.prefix}/node/{index}/admitted", "1")
-                    self.admitted.append(name)
-                    logger.info("admitted node %s (%d)", name, index)
-                    index += 1
-                    continue
+                # Every index taken and not yet seen through is looked at, not only the next
+                # one: an agent that died between taking its index and writing its key must
+                # not keep the agents after it out.
+                taken = int(self.store.add(f"{p}/nodes", 0))
+                waiting.update(range(seen, taken))
+                seen = max(seen, taken)
+                for index in sorted(waiting):
+                    if self.store.check([f"{p}/node/{index}/public"]):
+                        waiting.discard(index)
+                        self._admit(index)
             except Exception as exc:  # a store that went away ends the watch, not the job
                 if not self._stop.is_set():
                     logger.error("node key watch stopped: %r", exc)
                 return
             self._stop.wait(self.poll_s)
+
+    def _admit(self, index: int) -> None:
+        """Admit the key node ``index`` wrote, unless it is not a CurveZMQ public key (anyone
+        who can write to the store can write anything there: it is refused and logged)."""
+        p = self.prefix
+        raw = self.store.get(f"{p}/node/{index}/public")
+        # The agent writes its name first; an entry without one waits for nothing.
+        name_key = f"{p}/node/{index}/name"
+        name = self.store.get(name_key).decode("utf-8", "replace") if self.store.check([name_key]) else "?"
+        if not is_public_key(raw):
+            logger.error("node %d (%s) refused: its key is not a CurveZMQ public key (40 Z85 characters): %r",
+                         index, name, raw[:80])
+            return
+        self.supervisor.allow_worker_key(raw.decode("ascii"))
+        self.store.set(f"{p}/node/{index}/admitted", "1")
+        self.admitted.append(name)
+        logger.info("admitted node %s (%d)", name, index)
 
     def _mark_closed(self) -> None:
         try:
@@ -126,6 +147,16 @@ class RouterPublication:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._mark_closed()
+
+
+def is_public_key(raw: bytes) -> bool:
+    """Whether ``raw`` is a CurveZMQ public key as ZeroMQ writes it: 40 Z85 characters."""
+    from zmq.utils import z85
+
+    try:
+        return len(raw) == 40 and len(z85.decode(raw)) == 32
+    except (KeyError, ValueError, TypeError):
+        return False
 
 
 def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX, host: str | None = None,

@@ -457,3 +457,29 @@ async def test_an_agent_whose_served_fleet_is_killed_stops_and_says_so_in_one_li
         assert "Exception raised from" not in err and "frame #" not in err, err
         gone, alive = psutil.wait_procs(fleet_workers + agent_workers, timeout=15)
         assert not alive
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(120)
+async def test_garbage_and_a_dead_agents_entry_in_the_store_keep_no_agent_out(tmp_path):
+    # Anyone who can reach the store can write to it. An index taken by an agent that died
+    # before writing its key, and an entry whose key and name are garbage, are passed over:
+    # the next agent is still admitted, and the supervisor's beat goes on.
+    with ServedFleet(tmp_path) as fleet:
+        host, _, port = fleet.store.rpartition(":")
+        store = torch.distributed.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=10))
+        store.add("rollfleet/nodes", 1)  # node 0: took its index, never wrote its key
+        bad = store.add("rollfleet/nodes", 1) - 1
+        store.set(f"rollfleet/node/{bad}/name", b"\xff\xfe not utf-8")
+        store.set(f"rollfleet/node/{bad}/public", "not a key")
+        agent = fleet.agent("--workers", "1", "--name", "noded", "--supervisor-timeout", "3")
+        async with fleet.client() as client:
+            _, (remote,) = await fleet.ready_on(client, "noded", 1)
+            result = await client.generate("g", [3, 4], SamplingParams(max_tokens=3))
+            assert result.token_ids == echo_tokens([3, 4], 3)
+            await asyncio.sleep(5)  # longer than the agent's --supervisor-timeout: the beat goes on
+            assert agent.poll() is None
+            _, rows = await fleet.ready_on(client, "noded", 1)
+            assert rows[0]["worker_id"] == remote["worker_id"]
+        assert not store.check([f"rollfleet/node/{bad}/admitted"]) and not store.check(["rollfleet/node/0/admitted"])
+        del store
