@@ -512,7 +512,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # What the agent waits on: a signal also ends its wait for the router or for admission.
         signal.signal(sig, lambda *_: agent._done.set())
     try:
-        agent.start()
+        try:
+            agent.start()
+        except Exception as exc:  # what the store holds is not a router (ValueError), the store went away, ...
+            print(f"rollfleet node: {args.store}: cannot join the fleet: {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+            return 1
         while not agent.wait(0.2):
             pass
     finally:

@@ -393,3 +393,19 @@ def test_node_agent_waiting_for_its_store_stops_on_a_signal_with_exit_0(sig):
         proc.send_signal(sig)
         assert proc.wait(15) == 0
         assert proc.stderr.read() == ""
+
+
+def test_node_agent_given_a_store_whose_router_is_garbage_says_so_in_one_line_exit_1():
+    import datetime
+
+    import torch
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                       wait_for_workers=False)
+    store.set("rollfleet/router", "not json")
+    out = subprocess.run([*CLI, "node", "--store", f"127.0.0.1:{store.port}", "--timeout", "10"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"rollfleet node: 127.0.0.1:{store.port}: cannot join the fleet: "), out.stderr
+    del store
