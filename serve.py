@@ -240,6 +240,7 @@ async def serve(args: argparse.Namespace) -> int:
     model_dir: str | None = None
     fleet = None
     store = None  # the TCPStore of --store-bind: lives until the fleet has shut down and marked it closed
+    publication = None
     wrote_ready = False
     try:
         from .actors import FleetConfig, Supervisor
@@ -289,11 +290,11 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.store_bind is not None:
-            from .actors.node import publish_router, reachable_address
+            from .actors.node import AGENT_CHECK_S, publish_router, reachable_address
 
             try:
                 store = open_store(args.store_bind)
-                publish_router(store, fleet, host=args.advertise_host)
+                publication = publish_router(store, fleet, host=args.advertise_host)
             except Exception as exc:  # the port taken, a host not of this machine, ...
                 print(f"rollfleet serve: --store-bind {args.store_bind}: {exc}", file=sys.stderr)
                 return 1
@@ -319,6 +320,10 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             await fleet.shutdown()
+        if publication is not None and publication.admitted:
+            # The store says the fleet closed: let the agents read that (they look every
+            # AGENT_CHECK_S) and stop as asked, not find the store gone and warn of it.
+            await asyncio.sleep(AGENT_CHECK_S + 0.5)
         del store
         for sig in signals:
             loop.remove_signal_handler(sig)

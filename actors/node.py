@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "rollfleet"
 BEAT_INTERVAL_S = 1.0
+AGENT_CHECK_S = 1.0  # how often an agent looks at the store (closed? the supervisor's beat?)
 
 
 def reachable_address(address: str, host: str | None) -> str:
@@ -349,7 +350,7 @@ class NodeAgent:
         beat, beat_seen = self._beat(), time.monotonic()
         while not self._done.wait(0.1):
             now = time.monotonic()
-            if now - last_check > 1.0:
+            if now - last_check > AGENT_CHECK_S:
                 last_check = now
                 if self._fleet_closed():
                     logger.info("fleet closed; node %s stops", self.node_id)

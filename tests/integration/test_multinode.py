@@ -405,7 +405,10 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
         assert len(workers) == 2
         fleet.proc.send_signal(signal.SIGTERM)
         assert fleet.proc.wait(30) == 0
-        assert agent.wait(timeout=30) == 0, agent.stderr.read()
+        assert agent.wait(timeout=30) == 0
+        # It stopped because the store said the fleet closed, not because the store was gone:
+        # nothing to warn of (an agent logs at WARNING and above).
+        assert agent.stderr.read() == ""
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
         assert not fleet.ready.exists()
