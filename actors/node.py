@@ -471,7 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run a node agent from parsed options until the fleet closes or a signal; returns the exit
-    code (0 stopped, 1 the store could not be reached; bad options exit 2 through ``parser``)."""
+    code (0 stopped, 1 the store could not be reached or the fleet joined; bad options exit 2
+    through ``parser``)."""
     # Checked before the store is reached, which may take --timeout to fail.
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
