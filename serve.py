@@ -117,10 +117,12 @@ def _seconds(text: str) -> float:
 
 def _host_port(flag: str, text: str) -> tuple[str, int]:
     """HOST:PORT (an IPv6 host in brackets) with a port in 0..65535; raises ValueError naming ``flag``."""
-    host, colon, port = text.strip().rpartition(":")
-    if not colon or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+    from .actors.node import split_host_port
+
+    parsed = split_host_port(text)
+    if parsed is None:
         raise ValueError(f"{flag} {text}: expected HOST:PORT with a port in 0..65535")
-    return host.strip("[]"), int(port)
+    return parsed
 
 
 def worker_bind(args: argparse.Namespace) -> str | None:
@@ -129,8 +131,10 @@ def worker_bind(args: argparse.Namespace) -> str | None:
         return None
     if args.worker_bind is not None:
         return args.worker_bind.strip()
+    from .actors.node import join_host_port
+
     host, _ = _host_port("--store-bind", args.store_bind)
-    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    return f"tcp://{join_host_port(host, 0)}"
 
 
 def open_store(text: str) -> Any:
@@ -290,7 +294,7 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.store_bind is not None:
-            from .actors.node import AGENT_CHECK_S, publish_router, reachable_address
+            from .actors.node import AGENT_CHECK_S, join_host_port, publish_router, reachable_address
 
             try:
                 store = open_store(args.store_bind)
@@ -299,9 +303,8 @@ async def serve(args: argparse.Namespace) -> int:
                 print(f"rollfleet serve: --store-bind {args.store_bind}: {exc}", file=sys.stderr)
                 return 1
             store_host, _ = _host_port("--store-bind", args.store_bind)
-            store_host = f"[{store_host}]" if ":" in store_host else store_host
             published = reachable_address(fleet.worker_address, args.advertise_host)
-            print(f"rollfleet store on {store_host}:{store.port} (workers {published})", flush=True)
+            print(f"rollfleet store on {join_host_port(store_host, store.port)} (workers {published})", flush=True)
         if model_dir is not None:
             fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it
         if args.ready_file:

@@ -416,16 +416,31 @@ def wait_reachable(host: str, port: int, timeout_s: float) -> None:
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
+def split_host_port(text: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` (an IPv6 host in brackets, which are dropped) with a port in
+    0..65535; None when ``text`` is not that."""
+    host, colon, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def connect_store(address: str, timeout_s: float) -> Any:
     """A client of the TCPStore at ``host:port``, once that address answers (up to ``timeout_s``)."""
     import torch.distributed as dist
 
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
+    parsed = split_host_port(address)
+    if parsed is None:
         raise ValueError(f"--store must be HOST:PORT, got {address!r}")
-    host = host.strip("[]")
-    wait_reachable(host, int(port), timeout_s)
-    return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s))
+    host, port = parsed
+    wait_reachable(host, port, timeout_s)
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
 
 
 class _Stopped(BaseException):
