@@ -70,7 +70,7 @@ def reachable_address(address: str, host: str | None) -> str:
     bound, _, port = rest.rpartition(":")
     if host is None and bound.strip("[]") not in ("0.0.0.0", "*", "::", ""):
         return address
-    return f"{scheme}://{host or socket.getfqdn()}:{port}"
+    return f"{scheme}://{join_host_port(host or socket.getfqdn(), port)}"
 
 
 class RouterPublication:

@@ -486,3 +486,12 @@ async def test_garbage_and_a_dead_agents_entry_in_the_store_keep_no_agent_out(tm
             assert rows[0]["worker_id"] == remote["worker_id"]
         assert not store.check([f"rollfleet/node/{bad}/admitted"]) and not store.check(["rollfleet/node/0/admitted"])
         del store
+
+
+def test_the_published_worker_address_names_a_wildcard_bind_by_the_advertised_host_in_dialable_form():
+    from rollfleet.actors.node import reachable_address
+
+    assert reachable_address("tcp://127.0.0.1:5", None) == "tcp://127.0.0.1:5"  # a bound host is kept
+    assert reachable_address("tcp://0.0.0.0:5", "node-a") == "tcp://node-a:5"
+    assert reachable_address("tcp://[::]:5", "10.0.0.1") == "tcp://10.0.0.1:5"
+    assert reachable_address("tcp://0.0.0.0:5", "::1") == "tcp://[::1]:5"  # an IPv6 host in brackets
