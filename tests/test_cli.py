@@ -348,8 +348,6 @@ def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_pa
 
 
 def test_serve_whose_store_address_is_taken_says_so_and_exits_1(tmp_path):
-    import socket
-
     from rollfleet.transport.auth import make_keys
 
     keys = str(tmp_path / "keys")
