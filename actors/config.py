@@ -147,6 +147,11 @@ class FleetConfig:
     through ``Supervisor.allow_worker_key`` (node.publish_router does that from the job's
     store) and registers an id of the form ``<node>/<slot>-<generation>``. Needs a tcp://
     ``worker_addr`` and ``curve_keys_dir``. Their node agents restart them, not the supervisor."""
+    keep_dead_remote_slots: int = 64
+    """How many slots of remote workers that are gone stats keeps (state ``dead``), those
+    that died last; older ones are forgotten, and a worker that registers in a forgotten slot
+    later takes a new index. A node agent started again fills new slots, so without a bound a
+    long-served fleet would keep a row for every worker of every agent it ever had."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port (0: a free one, see
     Supervisor.metrics_address); needs prometheus-client. None: off."""
@@ -183,6 +188,8 @@ class FleetConfig:
                              f"({self.report_interval_s}): tokens that are not streamed come once per report")
         if self.accept_remote_workers and not (self.curve_keys_dir and (self.worker_addr or "").startswith("tcp://")):
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
+        if type(self.keep_dead_remote_slots) is not int or self.keep_dead_remote_slots < 0:
+            raise ValueError(f"keep_dead_remote_slots must be an int >= 0, got {self.keep_dead_remote_slots!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
         for addr in (self.worker_addr, self.frontend_addr):

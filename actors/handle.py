@@ -49,6 +49,7 @@ class WorkerHandle:
         self.last_error = ""  # why this incarnation failed or is being ended; "" while it is fine
         self.earlier_error = ""  # why the slot's worker before it ended: shown until this one has its own
         self.started_at = time.monotonic()
+        self.ended_at = 0.0  # when it was found dead
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._send = send
         self._last_descendant_scan = 0.0

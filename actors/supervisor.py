@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import socket
@@ -178,6 +179,7 @@ class Supervisor:
         self.counters = {"completed": 0, "aborted": 0, "failed": 0, "resumed": 0, "cancelled": 0}
         self._restarts: dict[int, RestartTracker] = {}
         self._remote_slots: dict[str, int] = {}  # '<node>/<slot>' of a remote worker -> index
+        self._remote_indexes = itertools.count(config.num_workers)  # an index is never given twice
         self._pending: deque[Entry] = deque()
         self._per_origin: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
@@ -514,6 +516,7 @@ class Supervisor:
         if handle.proc.pidfd is not None and self._loop is not None:
             self._loop.remove_reader(handle.proc.pidfd)
         handle.state = WorkerState.DEAD
+        handle.ended_at = time.monotonic()
         handle.proc.kill()
         handle.proc.close()
         self._leftovers.procs.discard(handle.proc)
@@ -550,8 +553,19 @@ class Supervisor:
                 self._fail(entry, WorkerLost(f"worker {handle.worker_id} died: {reason}", request_id=entry.request_id))
         if not self.closed and was_ready and not isinstance(handle.proc, RemoteProcess):
             self._schedule_restart(handle.index)  # remote workers are restarted by their node agent
+        if isinstance(handle.proc, RemoteProcess):
+            self._forget_dead_remote_slots()
         self._pump()
         self._check_workers_left()
+
+    def _forget_dead_remote_slots(self) -> None:
+        """Keep at most ``keep_dead_remote_slots`` remote slots whose worker is gone, those
+        that died last: an agent started again fills new slots, so a long-served fleet would
+        otherwise keep a row in stats for every worker of every agent it ever had."""
+        dead = sorted((h.ended_at, index, slot) for slot, index in self._remote_slots.items()
+                      if not (h := self.slots[index]).alive)
+        for _, index, slot in dead[:max(0, len(dead) - self.config.keep_dead_remote_slots)]:
+            del self._remote_slots[slot], self.slots[index], self._restarts[index]
 
     def _schedule_restart(self, index: int) -> None:
         policy = self.config.restart
@@ -728,7 +742,7 @@ class Supervisor:
             return None
         index = self._remote_slots.get(slot)
         if index is None:
-            index = self.config.num_workers + len(self._remote_slots)
+            index = next(self._remote_indexes)
             self._remote_slots[slot] = index
             self._restarts[index] = RestartTracker()
         else:

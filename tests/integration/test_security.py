@@ -33,13 +33,13 @@ def _curve_dealer(address, identity, public, secret, server_public):
 
 
 @contextlib.asynccontextmanager
-async def fleet_with_a_worker_key(tmp_path, tokens_per_s: float):
+async def fleet_with_a_worker_key(tmp_path, tokens_per_s: float, **overrides):
     """A fleet that admits remote workers, one key pair allowed: (supervisor, a DEALER factory
     for an identity with that key)."""
     keys_dir = str(tmp_path / "keys")
     make_keys(keys_dir)
     config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys_dir,
-                         accept_remote_workers=True, engine_options={"tokens_per_s": tokens_per_s})
+                         accept_remote_workers=True, engine_options={"tokens_per_s": tokens_per_s}, **overrides)
     async with Supervisor(config) as sup:
         pub, sec = zmq.curve_keypair()
         sup.allow_worker_key(pub)
@@ -232,6 +232,54 @@ async def test_a_replaced_remote_generation_is_told_to_exit_and_cannot_come_back
             stats = await sup.stats(engines=False)
             remote = [w for w in stats["workers"] if "/" in w["worker_id"]]
             assert [(w["worker_id"], w["state"]) for w in remote] == [("nodeA/w0-1", "ready")]
+        finally:
+            for ctx, sock in socks.values():
+                sock.close()
+                ctx.term()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_stats_keeps_only_the_remote_slots_that_died_last(tmp_path):
+    # Agents started again fill new slots; the slots of workers that are gone are kept up to
+    # keep_dead_remote_slots, the last to die, and a forgotten slot that comes back takes a new
+    # index. A live slot is never forgotten, nor a spawned worker's.
+    import msgpack
+
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=0, keep_dead_remote_slots=2) as (sup, dealer):
+        socks = {}
+        try:
+            async def register(name: str) -> None:
+                ctx, sock = socks.get(name) or dealer(name.encode())
+                socks[name] = (ctx, sock)
+                sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": name,
+                                         "pid": 1, "engine": "echo"}))
+                assert await asyncio.to_thread(sock.poll, 10_000), f"{name} was not admitted"
+                assert msgpack.unpackb(sock.recv())["type"] == "reply"
+
+            async def rows() -> list[tuple[str, int, str]]:
+                stats = await sup.stats(engines=False)
+                return [(w["worker_id"], w["index"], w["state"]) for w in stats["workers"]]
+
+            async def leave(name: str) -> None:
+                socks[name][1].send(msgpack.packb({"v": 1, "type": "worker_exit", "id": "x", "reason": "done"}))
+                for _ in range(500):
+                    if name not in sup.workers:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{name} was not taken for gone")
+
+            for name in ("a/w0-0", "b/w0-0", "c/w0-0", "d/w0-0"):
+                await register(name)
+            assert [r[1] for r in await rows()] == [0, 1, 2, 3, 4]
+            for name in ("b/w0-0", "a/w0-0", "d/w0-0"):
+                await leave(name)
+            assert await rows() == [("w0-0", 0, "ready"), ("a/w0-0", 1, "dead"), ("c/w0-0", 3, "ready"),
+                                    ("d/w0-0", 4, "dead")]
+            await register("b/w0-1")  # its slot was forgotten: a new index
+            await leave("c/w0-0")
+            assert await rows() == [("w0-0", 0, "ready"), ("c/w0-0", 3, "dead"), ("d/w0-0", 4, "dead"),
+                                    ("b/w0-1", 5, "ready")]
+            assert sorted(sup._restarts) == [0, 3, 4, 5]
         finally:
             for ctx, sock in socks.values():
                 sock.close()
