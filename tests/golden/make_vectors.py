@@ -147,7 +147,8 @@ VECTORS: list[Message] = [
     Batch(id="", messages=[
         {"v": 1, "type": "chunk", "id": "w0-0:5", "token_ids": [17], "logprobs": None, "weight_version": 3},
         {"v": 1, "type": "result", "id": "w0-0:6", "token_ids": [4, 31999], "finish_reason": "stop",
-         "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0", "timings": {}},
+         "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0", "timings": {},
+         "weight_version_starts": []},
     ]),
     # A client that reads batches, before its first request.
     Hello(id="hello-1", batch=True),
