@@ -745,19 +745,14 @@ class Supervisor:
             index = next(self._remote_indexes)
             self._remote_slots[slot] = index
             self._restarts[index] = RestartTracker()
-        else:
-            previous = self.slots.get(index)
-            if previous is not None and int(generation) < previous.generation:
-                # A generation its slot has gone past (a process its agent replaced, come back
-                # after a network fault): not admitted, and told to go, or it would run on.
-                self._send_shutdown(identity)
-                return None
+        previous = self.slots.get(index)
+        if previous is not None and int(generation) < previous.generation:
+            # A generation its slot has gone past (a process its agent replaced, come back
+            # after a network fault): not admitted, and told to go, or it would run on.
+            self._send_shutdown(identity)
+            return None
+        if previous is not None:
             self._restarts[index].record()
-            if previous is not None and previous.worker_id in self.workers:
-                previous.last_error = previous.last_error or f"replaced by {worker_id}"
-                self._send_shutdown(previous.identity)  # the replaced process may still run
-                previous.proc.lost()
-                self._on_worker_dead(previous, previous.last_error)
 
         def stop() -> None:
             self._send_worker(handle, Shutdown(id="shutdown"))
@@ -766,7 +761,12 @@ class Supervisor:
         handle = WorkerHandle(index=index, generation=int(generation), device=msg.device, proc=proc,
                               send=self._send_worker)
         self.workers[worker_id] = handle
-        self.slots[index] = handle
+        self.slots[index] = handle  # first: the slot is live while the worker it replaces dies
+        if previous is not None and previous.worker_id in self.workers:
+            previous.last_error = previous.last_error or f"replaced by {worker_id}"
+            self._send_shutdown(previous.identity)  # the replaced process may still run
+            previous.proc.lost()
+            self._on_worker_dead(previous, previous.last_error)
         logger.info("remote worker %s on %s connected", worker_id, msg.host or "?")
         return handle
 

@@ -284,3 +284,34 @@ async def test_stats_keeps_only_the_remote_slots_that_died_last(tmp_path):
             for ctx, sock in socks.values():
                 sock.close()
                 ctx.term()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_new_generation_keeps_its_slot_even_when_no_dead_slot_is_kept(tmp_path):
+    # keep_dead_remote_slots=0 forgets a slot as its worker dies, but not the slot whose worker
+    # dies because a new generation of it registered: that one lives on, at its index.
+    import msgpack
+
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=0, keep_dead_remote_slots=0) as (sup, dealer):
+        socks = []
+        try:
+            for name in ("x/w0-0", "x/w0-1"):
+                ctx, sock = dealer(name.encode())
+                socks.append((ctx, sock))
+                sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": name,
+                                         "pid": 1, "engine": "echo"}))
+                assert await asyncio.to_thread(sock.poll, 10_000), f"{name} was not admitted"
+                assert msgpack.unpackb(sock.recv())["type"] == "reply"
+            stats = await sup.stats(engines=False)
+            assert [(w["worker_id"], w["index"], w["state"]) for w in stats["workers"]] == [
+                ("w0-0", 0, "ready"), ("x/w0-1", 1, "ready")]
+            socks[1][1].send(msgpack.packb({"v": 1, "type": "worker_exit", "id": "x", "reason": "done"}))
+            for _ in range(500):
+                if len((await sup.stats(engines=False))["workers"]) == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert [w["worker_id"] for w in (await sup.stats(engines=False))["workers"]] == ["w0-0"]
+        finally:
+            for ctx, sock in socks:
+                sock.close()
+                ctx.term()
