@@ -238,6 +238,16 @@ async def test_a_replaced_remote_generation_is_told_to_exit_and_cannot_come_back
                 ctx.term()
 
 
+async def _register_as(sock, name: str) -> None:
+    """Register a raw remote-worker DEALER as ``name`` and check that it was admitted."""
+    import msgpack
+
+    sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": name, "pid": 1,
+                             "engine": "echo"}))
+    assert await asyncio.to_thread(sock.poll, 10_000), f"{name} was not admitted"
+    assert msgpack.unpackb(sock.recv())["type"] == "reply"
+
+
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 async def test_stats_keeps_only_the_remote_slots_that_died_last(tmp_path):
     # Agents started again fill new slots; the slots of workers that are gone are kept up to
@@ -249,12 +259,8 @@ async def test_stats_keeps_only_the_remote_slots_that_died_last(tmp_path):
         socks = {}
         try:
             async def register(name: str) -> None:
-                ctx, sock = socks.get(name) or dealer(name.encode())
-                socks[name] = (ctx, sock)
-                sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": name,
-                                         "pid": 1, "engine": "echo"}))
-                assert await asyncio.to_thread(sock.poll, 10_000), f"{name} was not admitted"
-                assert msgpack.unpackb(sock.recv())["type"] == "reply"
+                socks[name] = socks.get(name) or dealer(name.encode())
+                await _register_as(socks[name][1], name)
 
             async def rows() -> list[tuple[str, int, str]]:
                 stats = await sup.stats(engines=False)
@@ -296,12 +302,8 @@ async def test_a_new_generation_keeps_its_slot_even_when_no_dead_slot_is_kept(tm
         socks = []
         try:
             for name in ("x/w0-0", "x/w0-1"):
-                ctx, sock = dealer(name.encode())
-                socks.append((ctx, sock))
-                sock.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": name,
-                                         "pid": 1, "engine": "echo"}))
-                assert await asyncio.to_thread(sock.poll, 10_000), f"{name} was not admitted"
-                assert msgpack.unpackb(sock.recv())["type"] == "reply"
+                socks.append(dealer(name.encode()))
+                await _register_as(socks[-1][1], name)
             stats = await sup.stats(engines=False)
             assert [(w["worker_id"], w["index"], w["state"]) for w in stats["workers"]] == [
                 ("w0-0", 0, "ready"), ("x/w0-1", 1, "ready")]
