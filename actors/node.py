@@ -38,7 +38,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -53,7 +52,7 @@ from ..cli import log_level
 from ..engines import check_engine_options
 from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
-from .process import WorkerProcess, device_env, sampling_seed
+from .process import WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs
 
 __all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "add_arguments", "run", "DEFAULT_PREFIX"]
 
@@ -252,6 +251,10 @@ class NodeAgent:
             return
         self.private_dir = tempfile.mkdtemp(prefix="rollfleet-node-", dir=self.private_dir_root)
         os.chmod(self.private_dir, 0o700)
+        # Owned as a supervisor's is: an agent killed with its workers (its process group sent
+        # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
+        claim_private_dir(self.private_dir)
+        sweep_private_dirs(os.path.dirname(self.private_dir))
         with self._lock:
             for i in range(self.num_workers):
                 self._spawn(i)
@@ -295,7 +298,7 @@ class NodeAgent:
             proc.kill()
             proc.close()
         if self.private_dir:
-            shutil.rmtree(self.private_dir, ignore_errors=True)
+            remove_private_dir(self.private_dir)
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, index: int) -> None:

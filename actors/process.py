@@ -239,10 +239,10 @@ def unlink_if_same(path: str, inode: int) -> None:
 
 
 def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
-    """Remove the private directories under ``root`` whose owner process is gone (their
-    socket files and logs), unlinking first the shm names their engines listed, and those
-    left empty by a supervisor killed while making one. Other directories without an owner
-    file (not a supervisor's) and other users' are left alone."""
+    """Remove the private directories under ``root`` whose owner process (a supervisor, a
+    node agent) is gone (their socket files and logs), unlinking first the shm names their
+    engines listed, and those left empty by an owner killed while making one. Other
+    directories without an owner file (not ours) and other users' are left alone."""
     removed = []
     try:
         names = [n for n in os.listdir(root) if n.startswith(prefix)]
@@ -266,7 +266,7 @@ def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
         remove_private_dir(path)
         removed.append(path)
     if removed:
-        logger.warning("removed %d private directories left by dead supervisors: %s", len(removed), ", ".join(removed))
+        logger.warning("removed %d private directories left by dead supervisors or node agents: %s", len(removed), ", ".join(removed))
     return removed
 
 

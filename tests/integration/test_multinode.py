@@ -341,11 +341,13 @@ class ServedFleet:
             raise
         return self
 
-    def agent(self, *args: str, netns: str | None = None) -> subprocess.Popen:
-        """``rollfleet node --store <this store> ARGS``, in network namespace ``netns`` if given."""
+    def agent(self, *args: str, netns: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``rollfleet node --store <this store> ARGS``, in network namespace ``netns`` if given,
+        with ``env`` added to its environment."""
         prefix = ["ip", "netns", "exec", netns] if netns else []
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "rollfleet", "node", "--store", self.store, *args],
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, **(env or {})})
         self.agents.append(proc)
         return proc
 
@@ -368,7 +370,14 @@ class ServedFleet:
             await asyncio.sleep(0.1)
 
     def __exit__(self, *exc: object) -> None:
+        for proc in self.agents:  # asked first, so that each removes its private directory
+            if proc.poll() is None:
+                proc.terminate()
         for proc in self.agents:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its workers too
                 proc.wait(10)
@@ -486,6 +495,34 @@ async def test_garbage_and_a_dead_agents_entry_in_the_store_keep_no_agent_out(tm
             assert rows[0]["worker_id"] == remote["worker_id"]
         assert not store.check([f"rollfleet/node/{bad}/admitted"]) and not store.check(["rollfleet/node/0/admitted"])
         del store
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(120)
+async def test_the_private_dir_of_an_agent_killed_with_its_workers_goes_when_the_next_agent_starts(tmp_path):
+    # An agent's process group sent SIGKILL (a batch scheduler's cancel) leaves nobody to remove
+    # the agent's private directory (its workers' logs, what their engines shared): it names its
+    # owner, so the next agent started beside it removes it, as a supervisor's is removed.
+    root = tmp_path / "agents"
+    root.mkdir()
+    env = {"TMPDIR": str(root)}
+    with ServedFleet(tmp_path) as fleet:
+        first = fleet.agent("--workers", "1", "--name", "first", env=env)
+        async with fleet.client() as client:
+            await fleet.ready_on(client, "first", 1)
+            (left,) = [p for p in root.iterdir() if p.name.startswith("rollfleet-node-")]
+            assert (left / "owner").read_text().split()[0] == str(first.pid)
+            workers = psutil.Process(first.pid).children()
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(10)
+            _, alive = psutil.wait_procs(workers, timeout=10)
+            assert not alive and left.exists()  # nobody was left to remove it
+            second = fleet.agent("--workers", "1", "--name", "second", env=env)
+            await fleet.ready_on(client, "second", 1)
+            assert not left.exists() and len(list(root.iterdir())) == 1  # the second's own
+        second.terminate()
+        assert second.wait(20) == 0
+        assert list(root.iterdir()) == []  # a stopped agent removes its own
 
 
 def test_the_published_worker_address_names_a_wildcard_bind_by_the_advertised_host_in_dialable_form():
