@@ -1126,12 +1126,12 @@ class Supervisor:
     def _preempt(self, entry: Entry) -> None:
         """Queue an interrupted request to continue, with its partial output, on some worker."""
         entry.num_preemptions += 1
-        self.counters["resumed"] += 1
         if entry.num_preemptions > self.config.max_resume_attempts:
             self._fail(entry, ResumeExhausted(
                 f"request {entry.request_id!r} interrupted {entry.num_preemptions} times "
                 f"(max_resume_attempts={self.config.max_resume_attempts})", request_id=entry.request_id))
             return
+        self.counters["resumed"] += 1  # one per resume made, not per interruption
         entry.state = State.PENDING
         self._pending.appendleft(entry)  # it was running: it goes before new arrivals
 

@@ -187,6 +187,8 @@ async def test_resume_attempts_are_bounded():
         await client.update_weights(offset(0), version=2)
         with pytest.raises(ResumeExhausted):
             await task
+        stats = await sup.stats()  # resumed once: the second interruption ended it
+        assert stats["num_resumed"] == 1 and stats["num_failed"] == 1
 
 
 async def test_restarted_worker_is_brought_to_the_current_version_before_serving():
