@@ -135,7 +135,8 @@ class FleetConfig:
     version: its initial weights plus these, partial and empty updates included. Turn off for
     big models and pass update_weights a callable that yields all the tensors instead: with
     neither, such a worker serves its initial weights (version 0, as its results say) until
-    the next update."""
+    an update that sends again every tensor sent before it; one that does not restarts it
+    again (it would hold a mix of its initial weights and that update)."""
     stall_timeout_s: float | None = None
     """A running request that gets no token for this long while its worker still heartbeats
     means a stuck engine: the worker is killed and restarted and its requests resume. Set

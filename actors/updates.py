@@ -18,7 +18,9 @@ the callable the last full update was given as (plus what tensor updates sent af
 worker left with partly applied weights by a failed update is restored the same way when all
 the failed update reached is among what is kept; else (the fleet's first update, a tensor no
 update sent before, or ``keep_last_weights=False`` with tensors that are not a callable) it is
-restarted, which loads its initial weights (version 0), never left serving a mix.
+restarted, which loads its initial weights (version 0), never left serving a mix. So is a
+worker at its initial weights for want of anything to catch it up with, when an update does
+not send again every tensor earlier updates sent: it would hold a mix at the update's version.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class WeightSync:
         self._last: dict[str, Any] | None = None
         self._spare: dict[str, Any] | None = None  # copies no longer kept, reused as scratch
         self._last_lora: dict[str, Any] | None = None
+        # The names committed updates sent since the initial weights: what a worker left at its
+        # initial weights (nothing kept to catch it up) needs sent again to be at a version.
+        self._names_ever_sent: set[str] = set()
         self.last_report: "UpdateReport | None" = None
         self.num_updates = 0
         self.drained: asyncio.Event = asyncio.Event()
@@ -215,6 +220,8 @@ class WeightSync:
                 links = [h for h in sup.workers.values() if h.state is WorkerState.READY]
                 if not links:
                     raise WeightUpdateError("no ready worker to update")
+                # Ready below the fleet's version: restarted with nothing kept to catch it up.
+                behind = [h for h in links if h.weight_version != sup.weight_version]
                 try:
                     report = await sender.update(tensors, version, links, lora=lora)
                 except WeightUpdateError as exc:
@@ -234,6 +241,16 @@ class WeightSync:
                     h.weight_version = version
                 sup.weight_version = version
                 if not keep_lora:
+                    missed = self._names_ever_sent - sent
+                    self._names_ever_sent |= sent
+                    if missed:
+                        # Its initial weights plus part of the updates match no version; restarted,
+                        # it serves its initial weights again, as its results say (version 0).
+                        shown = ", ".join(sorted(missed)[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+                        for h in [h for h in behind if h.alive]:
+                            self._restart(h, f"served its initial weights, and weight version {version} did not send "
+                                             f"again what earlier updates sent ({shown}): it would serve a mix (no copy "
+                                             "is kept: keep_last_weights is off and the updates were not a callable)")
                     if keep is not None:  # kept copies: they now hold this update's tensors too
                         self._last, self._spare = _merge(self._last, keep)
                     else:  # a callable, or nothing kept: older copies would restore a wrong version

@@ -33,20 +33,39 @@ class WeightsRefused(ValueError):
 
 WRAPPER_PREFIXES = (
     ("module.", "the names start with 'module.' (a DDP wrapper?): pass model.module.named_parameters()"),
-    ("_orig_mod.", "the names start with '_orig_mod.' (a torch.compile wrapper): pass "
-                   "model._orig_mod.named_parameters()"),
-    ("_fsdp_wrapped_module.", "the names start with '_fsdp_wrapped_module.' (an FSDP wrapper): pass the full "
+    ("_orig_mod.", "the names hold '_orig_mod.' (a torch.compile wrapper): pass the compiled module's own names, "
+                   "model._orig_mod.named_parameters() for a model compiled whole"),
+    ("_fsdp_wrapped_module.", "the names hold '_fsdp_wrapped_module.' (an FSDP wrapper): pass the full "
                               "state dict, model.state_dict() under FSDP.state_dict_type(model, "
                               "StateDictType.FULL_STATE_DICT), whose names are the model's own"),
 )
 """Name prefixes that wrappers of a trainer's model add, each with what to pass instead."""
 
+NESTED_WRAPPERS = ("_orig_mod.", "_fsdp_wrapped_module.")
+"""Those of WRAPPER_PREFIXES that also stand inside a name, after each submodule a wrapper
+wrapped (FSDP's auto-wrap policy, a compiled layer): no model of its own has such a part."""
+
+
+def _carries(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) or (prefix in NESTED_WRAPPERS and f".{prefix}" in name)
+
+
+def _unwrapped(name: str, prefix: str) -> str:
+    return ".".join(part for part in name.split(".") if f"{part}." != prefix) if prefix in NESTED_WRAPPERS \
+        else name[len(prefix):]
+
 
 def wrapper_hint(names: list[str], known: Any = None) -> str | None:
-    """What to pass instead when every name carries one wrapper's prefix (and, given ``known``,
-    the model's names, every name without it is one of them); None otherwise."""
+    """What to pass instead when the names carry a wrapper's prefix; None otherwise. DDP's
+    ``module.`` counts when every name starts with it; the parts of NESTED_WRAPPERS wherever they
+    stand in any name. Given ``known`` (the model's names), every such name must be one of
+    them once the wrapper's parts are taken out."""
     for prefix, hint in WRAPPER_PREFIXES:
-        if names and all(n.startswith(prefix) and (known is None or n[len(prefix):] in known) for n in names):
+        if prefix in NESTED_WRAPPERS:
+            carrying = [n for n in names if _carries(n, prefix)]
+        else:
+            carrying = names if all(n.startswith(prefix) for n in names) else []
+        if carrying and (known is None or all(_unwrapped(n, prefix) in known for n in carrying)):
             return hint
     return None
 

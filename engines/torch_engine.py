@@ -218,9 +218,9 @@ class TorchEngine(Engine):
 
         ``weights`` is consumed on the engine thread. Raises WeightsRefused (a ValueError) for
         unknown names and shape or dtype mismatches, all listed at once, before anything is
-        copied: the model is then as it was. Names that all start with a wrapper's prefix (DDP's
-        ``module.``, torch.compile's ``_orig_mod.``, FSDP's ``_fsdp_wrapped_module.``: base.WRAPPER_PREFIXES)
-        are pointed out. The KV cache of running requests is kept, as vLLM keeps it.
+        copied: the model is then as it was. Names that carry a wrapper's prefix (DDP's ``module.``,
+        torch.compile's ``_orig_mod.``, FSDP's ``_fsdp_wrapped_module.``, the last two also inside a
+        name: base.wrapper_hint) are pointed out. The KV cache of running requests is kept, as vLLM keeps it.
         """
         runner = self._live()
         await runner.call(runner.load_weights, weights)

@@ -36,7 +36,7 @@ from typing import Any
 from ..actors.process import claim_private_dir, kmp_names, record_shm, shm_names_mapped, unlink_shm
 from ..errors import EngineFailed, InvalidRequest, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt, wrapper_hint
+from .base import WRAPPER_PREFIXES, Engine, EngineDead, EngineOutput, WeightsRefused, check_prompt, wrapper_hint
 
 __all__ = ["VllmEngine", "EngineDead", "write_segment"]
 
@@ -634,11 +634,12 @@ def _walk(root: str) -> list[str]:
 
 
 def refuse_wrapped_names(names: list[str]) -> None:
-    """Raise WeightsRefused when every name carries a wrapper's prefix (base.WRAPPER_PREFIXES:
-    DDP's, torch.compile's, FSDP's): vLLM's loader fails on such a name half-way through a
-    reload, which leaves the model unusable (EngineDead, a restart of the worker), so they
-    are refused here, before vLLM sees any of them."""
+    """Raise WeightsRefused when the names carry a wrapper's prefix (base.wrapper_hint: DDP's on
+    every name, torch.compile's or FSDP's on any, wherever it stands): vLLM's loader fails on
+    such a name half-way through a reload, which leaves the model unusable (EngineDead, a
+    restart of the worker), so they are refused here, before vLLM sees any of them."""
     hint = wrapper_hint(names)
     if hint is not None:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        wrapped = [n for n in names if any(p in n for p, _ in WRAPPER_PREFIXES)] or names
+        shown = ", ".join(wrapped[:3]) + (f" and {len(wrapped) - 3} more" if len(wrapped) > 3 else "")
         raise WeightsRefused(f"load_weights: unknown names: {shown}; {hint}; nothing was loaded")

@@ -422,18 +422,37 @@ async def test_load_weights_says_when_the_names_are_a_ddp_wrappers(fresh):
     assert "DDP" not in str(info.value)
 
 
+def _wrap_layers(name: str, part: str) -> str:
+    """``name`` as a wrapper of each decoder layer writes it: model.layers.0.<part>self_attn..."""
+    head, sep, tail = name.partition("layers.")
+    if not sep:
+        return name
+    index, _, rest = tail.partition(".")
+    return f"{head}layers.{index}.{part}{rest}"
+
+
 @pytest.mark.parametrize("prefix, hint", [
     # torch.compile(model).named_parameters() names every parameter "_orig_mod.<name>";
-    ("_orig_mod.", "names start with '_orig_mod.' (a torch.compile wrapper): pass model._orig_mod.named_parameters()"),
+    ("_orig_mod.", "names hold '_orig_mod.' (a torch.compile wrapper): pass the compiled module's own names"),
     # FSDP(model, use_orig_params=True).named_parameters() "_fsdp_wrapped_module.<name>".
-    ("_fsdp_wrapped_module.", "names start with '_fsdp_wrapped_module.' (an FSDP wrapper): pass the full state dict"),
+    ("_fsdp_wrapped_module.", "names hold '_fsdp_wrapped_module.' (an FSDP wrapper): pass the full state dict"),
 ])
-async def test_load_weights_says_when_the_names_are_another_wrappers(fresh, prefix, hint):
-    wrapped = [(f"{prefix}{n}", t) for n, t in tiny_llama_model(seed=3).named_parameters()]
+@pytest.mark.parametrize("where", ["root", "root and each layer", "each layer"])
+async def test_load_weights_says_when_the_names_are_another_wrappers(fresh, prefix, hint, where):
+    # FSDP's auto-wrap policy wraps each layer as well as the root (or the layers alone): the
+    # wrapper's part then stands inside the names too, and in some names only.
+    names = [n for n, _ in tiny_llama_model(seed=3).named_parameters()]
+    if where != "root":
+        names = [_wrap_layers(n, prefix) for n in names]
+    if where != "each layer":
+        names = [prefix + n for n in names]
+    tensors = dict(tiny_llama_model(seed=3).named_parameters())
+    wrapped = list(zip(names, tensors.values()))
     with pytest.raises(WeightsRefused) as info:
         await fresh.load_weights(wrapped)
     text = str(info.value)
     assert hint in text and "DDP" not in text
+    assert "nothing was loaded" in text
 
 
 async def test_load_weights_while_requests_run(fresh):

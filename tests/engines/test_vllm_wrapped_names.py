@@ -50,6 +50,17 @@ async def test_wrapped_names_are_refused_and_the_engine_lives(engine, prefix, hi
     assert engine.llm.calls == [] and not engine.dead
 
 
+async def test_names_wrapped_inside_are_refused_too(engine):
+    # FSDP's auto-wrap of each layer alone: the embeddings and the head keep their own names.
+    pairs = [(n.replace("self_attn.", "_fsdp_wrapped_module.self_attn."), p.detach())
+             for n, p in tiny_llama_model(0).named_parameters()]
+    assert any("_fsdp_wrapped_module." not in n for n, _ in pairs)
+    with pytest.raises(WeightsRefused, match="nothing was loaded") as info:
+        await engine.load_weights(pairs)
+    assert "StateDictType.FULL_STATE_DICT" in str(info.value) and "_fsdp_wrapped_module.self_attn" in str(info.value)
+    assert engine.llm.calls == [] and not engine.dead
+
+
 async def test_plain_names_still_reach_vllm(engine):
     descriptor = {"name": "unused", "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [128],
                                                   "offset": 0, "nbytes": 512}]}

@@ -191,6 +191,32 @@ async def test_resume_attempts_are_bounded():
         assert stats["num_resumed"] == 1 and stats["num_failed"] == 1
 
 
+async def test_without_kept_weights_a_restarted_worker_is_at_a_version_only_after_an_update_of_everything():
+    # keep_last_weights off, tensors not a callable: a worker restarted after version 1 serves
+    # its initial weights (version 0). A partial update would leave it with a mix stamped 2
+    # (initial offset 0, the other worker's offset 5): it is restarted again instead; an
+    # update that sends every name again brings it to that version.
+    async with fleet(2, tokens_per_s=0, keep_last_weights=False, deterministic_routing=True) as sup:
+        client = sup.client()
+        await client.update_weights(offset(5) + [("other", torch.zeros(1))], version=1)
+        victim = sup.slots[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 15.0)
+        restarted = sup.slots[0]
+        assert restarted.weight_version == 0
+
+        async def versions_and_offsets():
+            rows = [w for w in (await sup.stats())["workers"] if w["state"] == "ready"]
+            return {w["worker_id"]: (w["weight_version"], w["engine_stats"]["offset"]) for w in rows}
+
+        await client.update_weights([("other", torch.ones(1))], version=2)  # "offset" not sent again
+        assert await wait_for(lambda: sup.slots[0] is not restarted and sup.slots[0].state.value == "ready", 15.0)
+        assert set((await versions_and_offsets()).values()) == {(0, 0), (2, 5)}  # never (2, 0)
+        await client.update_weights(offset(5) + [("other", torch.ones(1))], version=3)  # every name again
+        assert set((await versions_and_offsets()).values()) == {(3, 5)}
+        assert (await sup.stats())["workers"][0]["restarts"] == 2
+
+
 async def test_restarted_worker_is_brought_to_the_current_version_before_serving():
     async with fleet(2, tokens_per_s=0, deterministic_routing=True) as sup:
         client = sup.client()
