@@ -110,6 +110,21 @@ class _Expired(Exception):
     """What a request's timer puts in its future (generate turns it into RequestTimeout)."""
 
 
+async def _before(waiting: Awaitable[Any], timeout: float | None, request_id: str | None) -> None:
+    """Wait for what a request waits for before it goes (a RemoteClient's ``hello``) within
+    the request's own timeout, which counts from the call: a fleet that does not answer fails
+    the call when its timeout says, not after ``call_timeout_s``."""
+    if timeout is None:
+        await waiting
+        return
+    try:
+        await asyncio.wait_for(waiting, timeout)
+    except asyncio.TimeoutError:
+        what = f"request {request_id!r}" if request_id is not None else "generate_batch"
+        raise RequestTimeout(f"{what} timed out after {timeout}s, waiting for the fleet to answer hello",
+                             request_id=request_id) from None
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_exception(_Expired())
@@ -156,8 +171,9 @@ class _Base:
 
         Raises DuplicateRequest, Overloaded, InvalidRequest (bad input), EngineFailed,
         WorkerLost (worker died and the request was not resumed), ResumeExhausted,
-        RequestTimeout (``timeout`` passed; the request is aborted on its worker),
-        FleetClosed.
+        RequestTimeout (``timeout`` passed, counted from this call, a RemoteClient's wait for
+        its ``hello`` included; the request is aborted on its worker), FleetClosed, and
+        FleetError (code ``fleet_error``: no worker is left and none will be restarted).
         """
         _check_id(request_id)
         _check_session(session_id)
@@ -170,20 +186,21 @@ class _Base:
             if not fut.done() and isinstance(msg, (Result, Error)):
                 fut.set_result(msg)
 
+        deadline = None if timeout is None else loop.time() + timeout
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id,
                                resume)
         if sending is not None:
-            await sending
+            await _before(sending, timeout, request_id)
         self.on_dispatch(request_id)
         done = False
         try:
-            if timeout is None:
+            if deadline is None:
                 msg = await fut
             else:
                 # A timer that fails the future, not asyncio.wait_for: that wraps it in a second
                 # future and callbacks, some 2 us more per call, and a RemoteClient bounds every
                 # request (request_timeout_s).
-                timer = loop.call_later(timeout, _expire, fut)
+                timer = loop.call_at(deadline, _expire, fut)
                 try:
                     msg = await fut
                 except _Expired:
@@ -260,7 +277,7 @@ class _Base:
         try:
             ready = self._ready()
             if ready is not None:
-                await ready
+                await _before(ready, timeout, None)
         except RolloutError as exc:
             # What every request waits for failed (RemoteClient's hello, or its client closed):
             # each prompt fails with it, as concurrent generate calls do, instead of each one
@@ -378,15 +395,17 @@ class _Base:
         if timeout is None:
             timeout = self.default_timeout_s
         queue: asyncio.Queue[Message] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
                                stream, session_id, resume)
         if sending is not None:
-            await sending
+            await _before(sending, timeout, request_id)
         self.on_dispatch(request_id)
         done = False
         # One timer for the whole request, which queues the end of its time behind what came
         # before it (asyncio.wait_for would make a task of each queue.get()).
-        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, queue.put_nowait, _EXPIRED)
+        timer = None if deadline is None else loop.call_at(deadline, queue.put_nowait, _EXPIRED)
         try:
             while True:
                 msg = await queue.get()

@@ -35,7 +35,7 @@ class RestartPolicy:
     backoff_s: float = 0.5
     """Delay before the first restart; doubles with each restart in the window."""
     max_backoff_s: float = 10.0
-    """Upper bound of the delay."""
+    """Upper bound of the delay (it wins over a larger backoff_s)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -97,7 +97,9 @@ class FleetConfig:
     """Most times one request is interrupted and resumed before it fails with ResumeExhausted
     (RL jobs update weights often: a long rollout may see many updates)."""
     max_inflight_per_client: int = 100_000
-    """Requests one client may have in flight; more are refused with 'overloaded'."""
+    """Requests one client may have in flight; more are refused with 'overloaded'. The
+    in-process clients of a fleet (fleet.client(), SyncClient) count as one client, as they
+    share request ids and abort_all; each RemoteClient (each frontend connection) is one."""
     restart: RestartPolicy | None = field(default_factory=RestartPolicy)
     """How dead workers are restarted; None: never."""
     max_message_bytes: int = 1 << 30
@@ -175,6 +177,8 @@ class FleetConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if not self.shutdown_timeout_s >= 0:  # 0: terminate at once; NaN refused
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.client_send_hwm < 0 or self.max_client_message_bytes < 1024:
             raise ValueError("client_send_hwm must be >= 0 and max_client_message_bytes >= 1024")
         if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:

@@ -501,6 +501,9 @@ class Supervisor:
             raise FleetClosed("the fleet is not running")
 
     def client(self) -> Any:
+        """An in-process client of this fleet. All of them are one client to it: they share
+        request ids (an id in flight from one is a DuplicateRequest from another),
+        ``max_inflight_per_client`` and ``abort_all``."""
         from .client import LLMClient
 
         return LLMClient(self)

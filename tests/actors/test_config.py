@@ -29,8 +29,14 @@ def test_checking_them_does_not_import_torch():
 
 
 @pytest.mark.parametrize("field", ["start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s",
-                                   "report_interval_s", "stall_timeout_s"])
+                                   "report_interval_s", "stall_timeout_s", "shutdown_timeout_s"])
 def test_a_nan_time_is_refused_like_a_negative_one(field):
     # NaN <= 0 is false: a NaN start timeout got past the check and failed at start-up instead.
     with pytest.raises(ValueError, match=field):
         FleetConfig(engine="echo", **{field: float("nan")})
+
+
+def test_a_negative_shutdown_grace_is_refused_and_none_at_all_is_taken():
+    with pytest.raises(ValueError, match="shutdown_timeout_s"):
+        FleetConfig(engine="echo", shutdown_timeout_s=-1)
+    assert FleetConfig(engine="echo", shutdown_timeout_s=0).shutdown_timeout_s == 0

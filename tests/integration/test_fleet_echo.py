@@ -830,6 +830,41 @@ async def test_a_remote_client_with_no_fleet_at_its_address_says_so_at_its_timeo
                 await call()
 
 
+async def test_the_in_process_clients_of_a_fleet_are_one_client_to_it():
+    async with fleet(1, engine_options={"tokens_per_s": 50}) as sup:
+        first, second = sup.client(), sup.client()
+        running = asyncio.create_task(first.generate("x", [1], SamplingParams(max_tokens=200)))
+        assert await wait_for(lambda: sup.table.get("local", "x") is not None, 5.0)
+        with pytest.raises(DuplicateRequest):
+            await second.generate("x", [2], SamplingParams(max_tokens=2))
+        assert await second.abort_all() == ["x"]
+        assert (await running).finish_reason == "abort"
+
+
+async def test_a_remote_calls_own_timeout_bounds_its_wait_for_the_hello():
+    # The first request waits for the client's hello, itself bounded by call_timeout_s (60 s
+    # here): the request's own timeout, or request_timeout_s, still ends the call in time.
+    with socket_module.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    async def first_item(stream):  # type: ignore[no-untyped-def]
+        async for item in stream:
+            return item
+
+    async with RemoteClient(address, call_timeout_s=60, request_timeout_s=0.5) as remote:
+        calls = [lambda: remote.generate("a", [1], timeout=0.5), lambda: remote.generate("b", [1]),
+                 lambda: first_item(remote.stream("c", [1], timeout=0.5)),
+                 lambda: remote.generate_batch([[1], [2]], timeout=0.5)]
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(RequestTimeout, match="waiting for the fleet to answer hello"):
+                await asyncio.wait_for(call(), 20)
+            assert time.monotonic() - started < 15
+        kept = await remote.generate_batch([[1], [2]], timeout=0.5, return_exceptions=True)
+        assert [type(r) for r in kept] == [RequestTimeout, RequestTimeout]
+
+
 async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers(tmp_path):
     # A job manager's SIGTERM then SIGKILL can end the supervisor while its workers take their
     # grace period: the socket files must be gone by then, not only at the very end.
