@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise-host", default=None, metavar="NAME",
                         help="With --store-bind: the host name other nodes dial for a wildcard --worker-bind "
                              "(default: this host's fully qualified name).")
+    parser.add_argument("--metrics-port", type=at_least(0, 65535), default=None, metavar="PORT",
+                        help="Serve Prometheus metrics on 127.0.0.1:PORT (0: a free port), printed as "
+                             "'rollfleet metrics on URL' before the client address; needs prometheus-client "
+                             "(pip install 'rollfleet[metrics]'). Default: off.")
     parser.add_argument("--max-client-message-bytes", type=at_least(1024, 1 << 30), default=64 << 20, metavar="N",
                         help="Largest message header (its first frame) a client may send; a larger one is "
                              "answered too_large (at least 1024, at most 1073741824 = 1 GiB, the socket's "
@@ -264,7 +268,8 @@ async def serve(args: argparse.Namespace) -> int:
                                  curve_keys_dir=args.keys_dir, client_send_hwm=args.client_send_hwm,
                                  report_interval_s=args.report_interval,
                                  max_client_message_bytes=args.max_client_message_bytes,
-                                 worker_addr=worker_bind(args), accept_remote_workers=args.store_bind is not None)
+                                 worker_addr=worker_bind(args), accept_remote_workers=args.store_bind is not None,
+                                 metrics_port=args.metrics_port)
         except ValueError as exc:
             print(f"rollfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -315,6 +320,8 @@ async def serve(args: argparse.Namespace) -> int:
             except OSError as exc:
                 print(f"rollfleet serve: --ready-file: {exc}", file=sys.stderr)
                 return 1
+        if fleet.metrics_address is not None:
+            print(f"rollfleet metrics on {fleet.metrics_address}", flush=True)
         print(f"rollfleet serving on {address}", flush=True)
         logger.info("serving %d %s workers on %s", args.workers, args.engine, address)
         await stop.wait()

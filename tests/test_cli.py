@@ -407,3 +407,23 @@ def test_node_agent_given_a_store_whose_router_is_garbage_says_so_in_one_line_ex
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(f"rollfleet node: 127.0.0.1:{store.port}: cannot join the fleet: "), out.stderr
     del store
+
+
+def test_serve_metrics_port_serves_prometheus_metrics_and_says_where(tmp_path):
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    sock = tmp_path / "front.sock"
+    proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--workers", "2", "--bind", f"ipc://{sock}",
+                             "--metrics-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with reaped(proc):
+        first, second = proc.stdout.readline().split(), proc.stdout.readline().split()
+        assert first[:3] == ["rollfleet", "metrics", "on"] and second == ["rollfleet", "serving", "on", f"ipc://{sock}"]
+        url = first[3]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        with urllib.request.urlopen(url, timeout=10) as page:
+            text = page.read().decode()
+        assert len([line for line in text.splitlines() if line.startswith("rollfleet_worker_up{")]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    assert run("serve", "--metrics-port", "70000").returncode == 2
