@@ -129,7 +129,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return 0
     cols = ("worker_id", "host", "state", "pid", "device", "num_inflight", "num_tokens", "weight_version", "restarts",
             "last_error")
-    rows = [[str(w.get(c, "")) for c in cols] for w in stats["workers"]]
+    rows = []
+    for w in stats["workers"]:
+        row = [str(w.get(c, "")) for c in cols]
+        engine = w.get("engine_stats")
+        if not row[-1] and isinstance(engine, dict) and list(engine) == ["error"]:
+            row[-1] = f"no stats: {engine['error']}"  # its own stats did not come (a hung worker)
+        rows.append(row)
     # Every column as wide as its longest cell (ids and hosts are never cut), but the last
     # error, which is free text, is cut to keep a row on one line.
     rows = [row[:-1] + [row[-1][:60]] for row in rows]
@@ -137,8 +143,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     print("  ".join(c.ljust(widths[i]) for i, c in enumerate(cols)).rstrip())
     for row in rows:
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
-    print(f"in flight: {stats['num_inflight']}  completed: {stats['num_completed']}  "
-          f"resumed: {stats['num_resumed']}  failed: {stats['num_failed']}  weight version: {stats['weight_version']}")
+    print(f"in flight: {stats['num_inflight']} ({stats['num_pending']} pending)  completed: {stats['num_completed']}  "
+          f"aborted: {stats['num_aborted']}  failed: {stats['num_failed']}  cancelled: {stats['num_cancelled']}  "
+          f"resumed: {stats['num_resumed']}  weight version: {stats['weight_version']}")
     return 0
 
 

@@ -95,6 +95,10 @@ __all__ = ["Supervisor"]
 
 logger = logging.getLogger(__name__)
 
+ENGINE_STATS_TIMEOUT_S = 5.0
+"""Longest wait for one worker's own stats in a ``stats`` answer (call_timeout_s if shorter): a
+hung worker, not yet killed for its silence (heartbeat_timeout_s), does not hold the answer."""
+
 LOCAL = "local"
 # Enum values are properties: read them once, not on every request.
 _ABORT = FinishReason.ABORT.value
@@ -1336,13 +1340,15 @@ class Supervisor:
                 await self.control("wake_up")
 
     async def stats(self, engines: bool = True) -> dict[str, Any]:
-        """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker)."""
+        """Fleet statistics; with ``engines`` also each engine's own stats (one call per worker,
+        waited for up to ENGINE_STATS_TIMEOUT_S: a hung worker's entry is then an error)."""
         workers = []
         engine_stats: dict[str, Any] = {}
         if engines and not self.closed:
             handles = self.ready_workers()
+            wait = min(self.config.call_timeout_s, ENGINE_STATS_TIMEOUT_S)
             replies = await asyncio.gather(
-                *(h.call(Stats(id=h.next_call_id()), self.config.call_timeout_s) for h in handles),
+                *(h.call(Stats(id=h.next_call_id()), wait) for h in handles),
                 return_exceptions=True,
             )
             for h, rep in zip(handles, replies):

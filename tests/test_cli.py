@@ -427,3 +427,23 @@ def test_serve_metrics_port_serves_prometheus_metrics_and_says_where(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()
     assert run("serve", "--metrics-port", "70000").returncode == 2
+
+
+def test_stats_answers_in_time_with_a_worker_hung_and_says_which(tmp_path):
+    # A stopped worker answers nothing until the fleet kills it for its silence (30 s): the
+    # stats answer waits for its engine stats 5 s, within the command's default 10 s.
+    proc, workers, sock = serve_and_its_workers(tmp_path)
+    with reaped(proc):
+        hung = workers[0]
+        hung.suspend()
+        try:
+            out = run("stats", f"ipc://{sock}")
+        finally:
+            hung.resume()
+        assert out.returncode == 0, out.stderr
+        rows = [line for line in out.stdout.splitlines() if line.startswith(("w0-", "w1-"))]
+        assert len(rows) == 2 and [str(hung.pid) in row for row in rows].count(True) == 1
+        assert all(("no stats:" in row) == (str(hung.pid) in row) for row in rows)
+        assert "aborted: 0" in out.stdout and "cancelled: 0" in out.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
