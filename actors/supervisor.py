@@ -1305,7 +1305,9 @@ class Supervisor:
         ``FleetConfig.keep_last_weights``, or the callable), or, when these cannot cover what
         the update reached (the fleet's first update, a tensor no update sent before, or that
         option off with tensors that are not a callable), is restarted, which loads its
-        initial weights (version 0) and then the kept ones; none serves a mix. Also
+        initial weights (version 0) and then the kept ones; none serves a mix. So is, after a
+        successful update, a worker that served its initial weights for want of a kept copy
+        when the update did not send again every tensor earlier ones sent. Also
         raises Unsupported (e.g. LoRA on an engine without it), FleetClosed, and ValueError (a
         bad version, transport or bucket size, a module given instead of its tensors; before
         any request is interrupted).
