@@ -772,18 +772,20 @@ class RemoteClient(_Base):
 
     async def _call(self, msg: Message) -> dict[str, Any]:
         self._on_own_loop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.call_timeout_s  # one call_timeout_s for all of it
         hello = self._hello
         if type(msg) is not Hello and hello is not None and not hello.done():
             # After the requests that wait for it: an abort must not overtake its request.
             with contextlib.suppress(Exception):
-                await self._after_hello(hello)
+                await asyncio.wait_for(self._after_hello(hello), self.call_timeout_s)
         encoded = codec.encode(msg)
         self._check_size(msg.TYPE.value, encoded)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._calls[msg.id] = fut
         try:
             self._post(encoded)
-            return await asyncio.wait_for(fut, self.call_timeout_s)
+            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             why = "" if self._up else (f": no connection to a fleet at {self.address} came up (is one serving there? "
                                        f"one that requires CurveZMQ keys answers only clients given them: {self.keys_hint})")
