@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise-host", default=None, metavar="NAME",
                         help="With --store-bind: the host name other nodes dial for a wildcard --worker-bind "
                              "(default: this host's fully qualified name).")
+    parser.add_argument("--stall-timeout", type=positive_float, default=None, metavar="SECONDS",
+                        help="A running request that gets no token for this long, while its worker still "
+                             "heartbeats, means a stuck engine: the worker is killed and restarted and its "
+                             "requests resume (more than twice --report-interval; default: off).")
+    parser.add_argument("--worker-nice", type=at_least(0, 19), default=0, metavar="N",
+                        help="Niceness the workers add to serve's (0..19, default 0): a few points keep the "
+                             "fleet's event loop from waiting behind CPU engines that share its cores.")
     parser.add_argument("--metrics-port", type=at_least(0, 65535), default=None, metavar="PORT",
                         help="Serve Prometheus metrics on 127.0.0.1:PORT (0: a free port), printed as "
                              "'rollfleet metrics on URL' before the client address; needs prometheus-client "
@@ -269,7 +276,8 @@ async def serve(args: argparse.Namespace) -> int:
                                  report_interval_s=args.report_interval,
                                  max_client_message_bytes=args.max_client_message_bytes,
                                  worker_addr=worker_bind(args), accept_remote_workers=args.store_bind is not None,
-                                 metrics_port=args.metrics_port)
+                                 metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout,
+                                 worker_nice=args.worker_nice)
         except ValueError as exc:
             print(f"rollfleet serve: {exc}", file=sys.stderr)
             return 2

@@ -447,3 +447,22 @@ def test_stats_answers_in_time_with_a_worker_hung_and_says_which(tmp_path):
         assert "aborted: 0" in out.stdout and "cancelled: 0" in out.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_serve_worker_nice_and_stall_timeout_reach_the_fleet(tmp_path):
+    import psutil
+
+    sock, ready = tmp_path / "front.sock", tmp_path / "ready"
+    proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--workers", "2", "--bind", f"ipc://{sock}",
+                             "--ready-file", str(ready), "--worker-nice", "5", "--stall-timeout", "5"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with reaped(proc):
+        assert wait_file(ready) == f"ipc://{sock}"
+        workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 2 and {w.nice() for w in workers} == {psutil.Process(proc.pid).nice() + 5}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    # Within two reports (0.5 s each): refused as FleetConfig refuses it, with one line.
+    out = run("serve", "--engine", "echo", "--stall-timeout", "0.5")
+    assert out.returncode == 2 and "twice report_interval_s" in out.stderr and len(out.stderr.splitlines()) == 1
+    assert run("serve", "--worker-nice", "20").returncode == 2
