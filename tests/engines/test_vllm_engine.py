@@ -161,6 +161,18 @@ async def test_logprobs_are_the_chosen_tokens_logprobs(engine, hf):
     assert logprobs == pytest.approx(expected, abs=1e-3)
 
 
+async def test_sampled_tokens_logprobs_are_the_raw_models_as_the_torch_engines(engine, hf):
+    # Both engines give the log-softmax of the model's own logits, before temperature and top-p
+    # (vLLM's default logprobs_mode), so one correction serves rollouts of either.
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=3, logprobs=True, ignore_eos=True)
+    tokens, logprobs, _ = await collect(engine, "lp-t", PROMPT, params)
+    assert len(logprobs) == len(tokens) == 12
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + tokens])).logits[0].log_softmax(-1)
+    expected = [logits[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    assert logprobs == pytest.approx(expected, abs=1e-3)
+
+
 async def test_load_weights_changes_output_and_originals_restore_it(engine, hf):
     original = hf.state_dict()
     new = perturbed(original)
