@@ -95,6 +95,10 @@ __all__ = ["Supervisor"]
 
 logger = logging.getLogger(__name__)
 
+FORGOTTEN_SLOTS = 4096
+"""How many forgotten remote slots (FleetConfig.keep_dead_remote_slots) keep their last
+generation, so that an older one registering there is refused as in a kept slot."""
+
 ENGINE_STATS_TIMEOUT_S = 5.0
 """Longest wait for one worker's own stats in a ``stats`` answer (call_timeout_s if shorter): a
 hung worker, not yet killed for its silence (heartbeat_timeout_s), does not hold the answer."""
@@ -184,6 +188,9 @@ class Supervisor:
         self._restarts: dict[int, RestartTracker] = {}
         self._remote_slots: dict[str, int] = {}  # '<node>/<slot>' of a remote worker -> index
         self._remote_indexes = itertools.count(config.num_workers)  # an index is never given twice
+        # Forgotten remote slots -> the generation they had (the FORGOTTEN_SLOTS last): an older
+        # one that registers there later is still refused.
+        self._forgotten_slots: dict[str, int] = {}
         self._pending: deque[Entry] = deque()
         self._per_origin: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
@@ -572,7 +579,11 @@ class Supervisor:
         dead = sorted((h.ended_at, index, slot) for slot, index in self._remote_slots.items()
                       if not (h := self.slots[index]).alive)
         for _, index, slot in dead[:max(0, len(dead) - self.config.keep_dead_remote_slots)]:
+            self._forgotten_slots.pop(slot, None)
+            self._forgotten_slots[slot] = self.slots[index].generation
             del self._remote_slots[slot], self.slots[index], self._restarts[index]
+        while len(self._forgotten_slots) > FORGOTTEN_SLOTS:
+            del self._forgotten_slots[next(iter(self._forgotten_slots))]
 
     def _schedule_restart(self, index: int) -> None:
         policy = self.config.restart
@@ -748,7 +759,11 @@ class Supervisor:
         if not isinstance(msg, Register) or msg.worker_id != worker_id or "/" not in slot or not generation.isdigit():
             return None
         index = self._remote_slots.get(slot)
+        if index is None and int(generation) < self._forgotten_slots.get(slot, -1):
+            self._send_shutdown(identity)  # as below: a generation its (forgotten) slot went past
+            return None
         if index is None:
+            self._forgotten_slots.pop(slot, None)
             index = next(self._remote_indexes)
             self._remote_slots[slot] = index
             self._restarts[index] = RestartTracker()

@@ -313,6 +313,20 @@ async def test_a_new_generation_keeps_its_slot_even_when_no_dead_slot_is_kept(tm
                     break
                 await asyncio.sleep(0.01)
             assert [w["worker_id"] for w in (await sup.stats(engines=False))["workers"]] == ["w0-0"]
+            # Its slot is forgotten, not its generation: the replaced x/w0-0, come back, is still
+            # refused and told to go; a newer one takes a new index.
+            stale = socks[0][1]
+            while stale.poll(0):
+                stale.recv()  # the shutdown it was sent when replaced
+            stale.send(msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": "x/w0-0",
+                                      "pid": 1, "engine": "echo"}))
+            assert await asyncio.to_thread(stale.poll, 10_000)
+            assert msgpack.unpackb(stale.recv())["type"] == "shutdown"
+            assert "x/w0-0" not in sup.workers
+            socks.append(dealer(b"x/w0-2"))
+            await _register_as(socks[-1][1], "x/w0-2")
+            stats = await sup.stats(engines=False)
+            assert [(w["worker_id"], w["index"]) for w in stats["workers"]] == [("w0-0", 0), ("x/w0-2", 2)]
         finally:
             for ctx, sock in socks:
                 sock.close()
