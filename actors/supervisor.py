@@ -507,6 +507,11 @@ class Supervisor:
     def closed(self) -> bool:
         return self._closed or self._closing
 
+    @property
+    def shut_down(self) -> bool:
+        """True once shutdown has finished (``closed`` is True from its start)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if not self._started or self.closed:
             raise FleetClosed("the fleet is not running")

@@ -66,6 +66,12 @@ def _stop_fleet(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, thread:
                 # Its sockets close on its own thread, if that thread ever runs again.
                 loop.call_soon_threadsafe(supervisor.release)
                 blocked = True
+        # A shutdown already under way (a start given up, by a Ctrl-C say, tears the fleet down
+        # on its own) returns the call above at once: the loop must run until it is done, or it
+        # is left half-way, its workers killed and its directory kept.
+        deadline = time.monotonic() + 60
+        while not blocked and not supervisor.shut_down and loop.is_running() and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         if not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)

@@ -722,6 +722,10 @@ def main() -> None:
     _watch_parent(config)
     if config.get("nice"):
         os.nice(int(config["nice"]))  # before the engine starts: its processes inherit it
+    # Ctrl-C reaches the terminal's whole process group: the supervisor decides what it means
+    # (a shutdown, an exit its workers clean up after, or nothing, in a script that goes on);
+    # left at its default it would end the worker in a KeyboardInterrupt, with no cleanup.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         # The default action of the last two would end the worker with no cleanup at all. One
         # the job ignores (nohup: SIGHUP), inherited, stays ignored.

@@ -667,3 +667,59 @@ async def test_a_worker_that_says_it_exits_is_replaced_at_once_not_when_its_proc
         assert r.token_ids == expected_tokens(prompt, 3) and r.worker != first.worker_id
         assert sup.slots[0] is not first and "EngineDead" in first.last_error
         assert not alive([first.pid]) and not (tmp_path / "exited").exists()
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import asyncio, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whoever started this
+    from rollfleet.actors import FleetConfig, Supervisor, SyncClient
+    from rollfleet.transport.messages import SamplingParams
+
+    if sys.argv[1] == "sync-starting":  # Ctrl-C while SyncClient still waits for its workers
+        config = FleetConfig(engine="echo", num_workers=2, engine_options={"start_delay_s": 60})
+        print("starting", flush=True)
+        SyncClient(config)
+    else:  # a script (a notebook cell) that started a fleet and never shuts it down
+        async def main():
+            sup = Supervisor(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 20}))
+            await sup.start()
+            print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+            await sup.client().generate("long", [1, 2], SamplingParams(max_tokens=10_000))
+        asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("case", ["no-shutdown", "sync-starting"])
+def test_ctrl_c_to_the_process_group_leaves_nothing_behind(case, tmp_path):
+    # A terminal's Ctrl-C sends SIGINT to the whole foreground group: the script and its workers.
+    # The workers leave the decision to the supervisor's process; its end, however it comes
+    # (a KeyboardInterrupt out of asyncio.run, a SyncClient given up while it starts), must still
+    # take the workers and the private directory with it.
+    import psutil
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, case], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        line = proc.stdout.readline().split()
+        if case == "sync-starting":
+            assert line == ["starting"]
+            deadline = time.monotonic() + 30
+            while len([p for p in psutil.Process(proc.pid).children() if "actors.worker" in " ".join(p.cmdline())]) < 2:
+                assert time.monotonic() < deadline, "the workers did not start"
+                time.sleep(0.05)
+            time.sleep(1.0)  # into their engines' start
+            pids = [p.pid for p in psutil.Process(proc.pid).children() if "actors.worker" in " ".join(p.cmdline())]
+            (private_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("rollfleet-")]
+        else:
+            private_dir, pids = line[0], [int(p) for p in line[1:]]
+            time.sleep(0.5)  # the request runs
+        assert len(alive(pids)) == 2
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        assert_clean(private_dir, pids, creators=[proc.pid], within=10.0)
+        assert "Event loop is closed" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
