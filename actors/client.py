@@ -778,7 +778,7 @@ class RemoteClient(_Base):
         if type(msg) is not Hello and hello is not None and not hello.done():
             # After the requests that wait for it: an abort must not overtake its request.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._after_hello(hello), self.call_timeout_s)
+                await self._after_hello(hello)  # bounded by call_timeout_s from its own start
         encoded = codec.encode(msg)
         self._check_size(msg.TYPE.value, encoded)
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()

@@ -584,8 +584,7 @@ class Supervisor:
         dead = sorted((h.ended_at, index, slot) for slot, index in self._remote_slots.items()
                       if not (h := self.slots[index]).alive)
         for _, index, slot in dead[:max(0, len(dead) - self.config.keep_dead_remote_slots)]:
-            self._forgotten_slots.pop(slot, None)
-            self._forgotten_slots[slot] = self.slots[index].generation
+            self._forgotten_slots[slot] = self.slots[index].generation  # not there: popped at admission
             del self._remote_slots[slot], self.slots[index], self._restarts[index]
         while len(self._forgotten_slots) > FORGOTTEN_SLOTS:
             del self._forgotten_slots[next(iter(self._forgotten_slots))]
@@ -764,20 +763,19 @@ class Supervisor:
         if not isinstance(msg, Register) or msg.worker_id != worker_id or "/" not in slot or not generation.isdigit():
             return None
         index = self._remote_slots.get(slot)
-        if index is None and int(generation) < self._forgotten_slots.get(slot, -1):
-            self._send_shutdown(identity)  # as below: a generation its (forgotten) slot went past
+        previous = self.slots.get(index) if index is not None else None
+        # The generation its slot has reached: its current worker's, or a forgotten slot's last.
+        reached = previous.generation if previous is not None else self._forgotten_slots.get(slot, -1)
+        if int(generation) < reached:
+            # A generation its slot has gone past (a process its agent replaced, come back
+            # after a network fault): not admitted, and told to go, or it would run on.
+            self._send_shutdown(identity)
             return None
         if index is None:
             self._forgotten_slots.pop(slot, None)
             index = next(self._remote_indexes)
             self._remote_slots[slot] = index
             self._restarts[index] = RestartTracker()
-        previous = self.slots.get(index)
-        if previous is not None and int(generation) < previous.generation:
-            # A generation its slot has gone past (a process its agent replaced, come back
-            # after a network fault): not admitted, and told to go, or it would run on.
-            self._send_shutdown(identity)
-            return None
         if previous is not None:
             self._restarts[index].record()
 

@@ -241,7 +241,7 @@ class WeightSync:
                     h.weight_version = version
                 sup.weight_version = version
                 if not keep_lora:
-                    missed = self._names_ever_sent - sent
+                    missed = self._names_ever_sent - sent if behind else set()
                     self._names_ever_sent |= sent
                     if missed:
                         # Its initial weights plus part of the updates match no version; restarted,
