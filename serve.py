@@ -104,6 +104,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve Prometheus metrics on 127.0.0.1:PORT (0: a free port), printed as "
                              "'rollfleet metrics on URL' before the client address; needs prometheus-client "
                              "(pip install 'rollfleet[metrics]'). Default: off.")
+    parser.add_argument("--max-restarts", type=at_least(0), default=5, metavar="N",
+                        help="Restarts of one worker within 5 minutes, each after a delay that doubles from "
+                             "0.5 s up to 10 s, before a worker that dies again stays dead and its requests "
+                             "go to the others (default 5; 0: a worker that dies stays dead).")
+    parser.add_argument("--heartbeat-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                        help="A worker silent this long is taken as hung: it is killed and restarted and its "
+                             "requests resume (more than 1, the interval of its heartbeats; default 30).")
+    parser.add_argument("--call-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                        help="How long the fleet waits for a worker to carry out a control call (sleep, "
+                             "wake_up, a weight update's steps) before it gives up on that worker (default "
+                             "60). Raise it for engines slow to sleep or wake up.")
+    parser.add_argument("--max-inflight-per-client", type=at_least(1), default=100_000, metavar="N",
+                        help="Requests one client connection may have in flight; more are refused with "
+                             "overloaded (PROTOCOL.md) (default 100000).")
     parser.add_argument("--max-client-message-bytes", type=at_least(1024, 1 << 30), default=64 << 20, metavar="N",
                         help="Largest message header (its first frame) a client may send; a larger one is "
                              "answered too_large (at least 1024, at most 1073741824 = 1 GiB, the socket's "
@@ -225,6 +239,11 @@ def check_args(args: argparse.Namespace) -> None:
             _host_port("--worker-bind", rest)
         if args.advertise_host is not None and not args.advertise_host.strip():
             raise ValueError("--advertise-host: empty host name")
+    from .actors.config import HEARTBEAT_INTERVAL_S
+
+    if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:
+        raise ValueError(f"--heartbeat-timeout {args.heartbeat_timeout:g}: must be more than {HEARTBEAT_INTERVAL_S:g} s, "
+                         "the interval of the workers' heartbeats")
     devices = _devices(args)
     if devices is not None:
         if not all(devices) or len(devices) != args.workers:
@@ -258,7 +277,7 @@ async def serve(args: argparse.Namespace) -> int:
     publication = None
     wrote_ready = False
     try:
-        from .actors import FleetConfig, Supervisor
+        from .actors import FleetConfig, RestartPolicy, Supervisor
         from .engines import check_engine_options
 
         try:
@@ -277,7 +296,9 @@ async def serve(args: argparse.Namespace) -> int:
                                  max_client_message_bytes=args.max_client_message_bytes,
                                  worker_addr=worker_bind(args), accept_remote_workers=args.store_bind is not None,
                                  metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout,
-                                 worker_nice=args.worker_nice)
+                                 worker_nice=args.worker_nice, restart=RestartPolicy(max_restarts=args.max_restarts),
+                                 heartbeat_timeout_s=args.heartbeat_timeout, call_timeout_s=args.call_timeout,
+                                 max_inflight_per_client=args.max_inflight_per_client)
         except ValueError as exc:
             print(f"rollfleet serve: {exc}", file=sys.stderr)
             return 2

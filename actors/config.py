@@ -44,6 +44,9 @@ class RestartPolicy:
             raise ValueError("window_s must be > 0 and backoffs >= 0")
 
 
+HEARTBEAT_INTERVAL_S = 1.0
+"""FleetConfig.heartbeat_interval_s's default: how often a worker sends a heartbeat."""
+
 REPORT_INTERVAL_S = 0.5
 """FleetConfig.report_interval_s's default: how often a worker reports its running requests' new
 tokens (those not streamed)."""
@@ -76,7 +79,7 @@ class FleetConfig:
     on every tcp:// socket (required for non-loopback addresses)."""
     start_timeout_s: float = 120.0
     """How long a worker may take to start its engine and register."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     """How often workers send heartbeats."""
     report_interval_s: float = REPORT_INTERVAL_S
     """How often a worker reports the new tokens of requests that are not streamed (all of them

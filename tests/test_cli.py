@@ -141,13 +141,14 @@ def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_
         assert not sock.exists() and not ready.exists()
 
 
-def serve_and_its_workers(tmp_path, **popen):
-    """A ``serve`` of 2 echo workers on an ipc:// address, once ready: (process, workers, socket file)."""
+def serve_and_its_workers(tmp_path, *args: str, **popen):
+    """A ``serve`` of 2 echo workers on an ipc:// address (and ``args``), once ready: (process,
+    workers, socket file)."""
     import psutil
 
     sock, ready = tmp_path / "front.sock", tmp_path / "ready"
     proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--workers", "2", "--bind", f"ipc://{sock}",
-                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "--ready-file", str(ready), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, **popen)
     assert wait_file(ready) == f"ipc://{sock}"
     workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
@@ -466,3 +467,49 @@ def test_serve_worker_nice_and_stall_timeout_reach_the_fleet(tmp_path):
     out = run("serve", "--engine", "echo", "--stall-timeout", "0.5")
     assert out.returncode == 2 and "twice report_interval_s" in out.stderr and len(out.stderr.splitlines()) == 1
     assert run("serve", "--worker-nice", "20").returncode == 2
+
+
+def test_serve_inflight_call_heartbeat_and_restart_limits_reach_the_fleet(tmp_path):
+    import asyncio
+
+    import psutil
+
+    from rollfleet.actors import RemoteClient
+    from rollfleet.errors import Overloaded, RequestTimeout
+
+    proc, workers, sock = serve_and_its_workers(
+        tmp_path, "--tokens-per-s", "5", "--max-inflight-per-client", "2", "--call-timeout", "2",
+        "--heartbeat-timeout", "8", "--max-restarts", "0")
+    stopped = workers[0]
+
+    async def main() -> None:
+        async with RemoteClient(f"ipc://{sock}", call_timeout_s=30) as client:
+            running = [asyncio.create_task(client.generate(f"r{i}", [1, 2], {"max_tokens": 1000})) for i in range(2)]
+            await asyncio.sleep(0.5)
+            with pytest.raises(Overloaded):  # a third request of this client
+                await client.generate("r2", [3], {"max_tokens": 1})
+            await client.abort_all()
+            await asyncio.gather(*running)
+            # A stopped worker holds a control call --call-timeout (2 s, not 60 s): it is given
+            # up on while still alive, before --heartbeat-timeout (8 s) has it killed.
+            stopped.suspend()
+            with pytest.raises(RequestTimeout, match="did not answer control in 2.0s"):
+                await client.control("clear_kv_cache")
+            assert stopped.status() == psutil.STATUS_STOPPED
+
+    with reaped(proc):
+        asyncio.run(main())
+        # Silent past --heartbeat-timeout (8 s, not 30 s): killed; with --max-restarts 0 it
+        # stays dead (a restart would come within 0.5 s) and the other serves alone.
+        stopped.wait(25)
+        time.sleep(3)
+        alive = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+        assert [p.pid for p in alive] == [workers[1].pid]
+        out = run("stats", f"ipc://{sock}")
+        assert out.returncode == 0 and "dead" in out.stdout, out.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    for args in (("--heartbeat-timeout", "1"), ("--max-restarts", "-1"), ("--max-inflight-per-client", "0"),
+                 ("--call-timeout", "0")):
+        out = run("serve", "--engine", "echo", *args)
+        assert out.returncode == 2 and args[0] in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
