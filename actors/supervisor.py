@@ -38,6 +38,7 @@ from ..errors import (
     FleetError,
     InvalidRequest,
     Overloaded,
+    RequestTimeout,
     ResumeExhausted,
     RolloutError,
     Unsupported,
@@ -98,6 +99,10 @@ logger = logging.getLogger(__name__)
 FORGOTTEN_SLOTS = 4096
 """How many forgotten remote slots (FleetConfig.keep_dead_remote_slots) keep their last
 generation, so that an older one registering there is refused as in a kept slot."""
+
+OPPOSITE_OPS = {"sleep": "wake_up", "wake_up": "sleep", "pause": "resume", "resume": "pause"}
+"""The control ops that set a state of the fleet (its sleep level, its pause), each with the one
+that undoes it."""
 
 ENGINE_STATS_TIMEOUT_S = 5.0
 """Longest wait for one worker's own stats in a ``stats`` answer (call_timeout_s if shorter): a
@@ -1245,8 +1250,10 @@ class Supervisor:
 
         Raises Unsupported if a worker's engine lacks the op, InvalidRequest for unknown ops
         (code unknown_op) and bad args (bad_field: sleep's level 1 or 2, start_profile's
-        trace_dir), WorkerLost / RequestTimeout from a worker (WorkerLost from one that died
-        during the call only once the others took the op: the fleet's state follows it). A
+        trace_dir), WorkerLost / RequestTimeout / EngineFailed from a worker. Where some engine
+        took a sleep, wake_up, pause or resume that failed on another (or one timed out: it
+        still carries the op out), the fleet's state follows the op all the same, so that
+        calling it again or its opposite puts every engine in one state. A
         caller that gives up (a timeout, a cancelled task) does not stop the op half-way: the
         fleet's sleep and pause state would then say what no engine was told.
         """
@@ -1262,7 +1269,7 @@ class Supervisor:
             check_control_args(op, args or {})
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="bad_field") from None
-        # before the call: tokens stop as soon as an engine obeys (put back if the op fails)
+        # before the call: tokens stop as soon as an engine obeys (put back if no engine took it)
         held = self._sleep_level, self._engines_paused
         if op == "sleep":
             self._sleep_level = int((args or {}).get("level", 1))
@@ -1276,22 +1283,42 @@ class Supervisor:
         )
         out: dict[str, Any] = {}
         lost: WorkerLost | None = None
+        failed: list[tuple[WorkerHandle, BaseException]] = []
         for h, res in zip(handles, results):
             if isinstance(res, WorkerLost) and not h.alive:
-                # It died during the call: the others took the op, and its replacement is given
-                # the fleet's state before it serves, so that state follows the op all the same.
+                # It died during the call: its replacement is given the fleet's state before it
+                # serves, so that state follows the op all the same.
                 lost = lost or res
-                continue
-            if isinstance(res, BaseException):
+            elif isinstance(res, BaseException):
+                failed.append((h, res))
+            else:
+                out[h.worker_id] = res
+        if failed:
+            h, res = failed[0]
+            if isinstance(res, Unsupported):
                 self._sleep_level, self._engines_paused = held
-                if isinstance(res, Unsupported):
-                    raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
+                raise Unsupported(f"{op} is not supported by the {h.engine} engine ({res})")
+            # Where some engine took the op (those in ``out``, and a worker that did not answer
+            # in time, which still carries it out when it gets to it), the fleet's state follows
+            # the op: calling it again, or its opposite, then puts every engine in one state, and
+            # a worker restarted meanwhile comes up as the others are. Put back, it would say
+            # "awake" of engines asleep, a worker restarted would come up unlike them, and
+            # stall_timeout_s would take paused engines for stuck ones.
+            if not (out or any(isinstance(r, RequestTimeout) for _, r in failed)):
+                self._sleep_level, self._engines_paused = held
                 raise res
-            out[h.worker_id] = res
+            if op in OPPOSITE_OPS:
+                took = ", ".join(out) or "none yet"
+                res.args = (f"{res}; {op} is in force all the same (workers that took it: {took}): call {op} "
+                            f"again, or {OPPOSITE_OPS[op]}",)
+                logger.warning("control %s failed on %d of %d workers (%s): %s in force all the same", op,
+                               len(failed), len(handles), ", ".join(f.worker_id for f, _ in failed), op)
         if op == "wake_up":
             self._sleep_level = 0
         elif op == "resume":
             self._engines_paused = False
+        if failed:
+            raise failed[0][1]
         if lost is not None:
             raise lost
         return out
@@ -1347,9 +1374,10 @@ class Supervisor:
             if self._training_depth == 0:
                 try:
                     await self.control("sleep", {"level": level})
-                except WorkerLost:
-                    # The others went to sleep, and the block does not open: nothing would wake them.
-                    await self.control("wake_up")
+                except RolloutError:
+                    if self._sleep_level:
+                        # Some went to sleep, and the block does not open: nothing would wake them.
+                        await self.control("wake_up")
                     raise
             self._training_depth += 1
 

@@ -194,3 +194,40 @@ async def test_a_control_op_given_up_on_at_once_still_reaches_every_engine():
                 await asyncio.sleep(0.05)
             assert await engines() == [flag, flag]
             assert (await sup.stats())["sleep_level"] == (1 if flag else 0)
+
+
+@pytest.mark.parametrize("op", ["pause", "training"])
+async def test_a_control_op_a_stopped_worker_times_out_on_stays_in_force_so_its_opposite_frees_every_engine(op):
+    import psutil
+
+    from rollfleet.errors import RequestTimeout
+
+    # A worker stopped past call_timeout_s took the op all the same once it ran again (its
+    # call was queued), as the other did at once; the fleet put back its state ("not paused"),
+    # so every request then hung on paused engines, and resume was the only way out but said
+    # nothing of it. Now the fleet says "paused" and the error says what to do.
+    async with Supervisor(FleetConfig(engine="echo", num_workers=2, call_timeout_s=1.0,
+                                      heartbeat_timeout_s=120.0)) as sup:
+        client = sup.client()
+        stopped = psutil.Process(sup.slots[0].pid)
+        stopped.suspend()
+        try:
+            if op == "pause":
+                with pytest.raises(RequestTimeout, match="in force all the same.*call pause again, or resume"):
+                    await client.control("pause")
+                assert (await sup.stats(engines=False))["engines_paused"] is True
+            else:  # the block does not open, and wakes the engine that went to sleep
+                with pytest.raises(RequestTimeout):
+                    async with sup.training():
+                        pytest.fail("the block opened")
+                assert (await sup.stats(engines=False))["sleep_level"] == 0
+        finally:
+            stopped.resume()
+        if op == "pause":
+            await client.control("resume")
+        stats = await sup.stats()
+        assert [(w["engine_stats"]["sleeping"], w["engine_stats"]["paused"]) for w in stats["workers"]] == \
+            [(False, False), (False, False)]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=3)) for i in range(4))), 10)
+        assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(4)]
