@@ -313,7 +313,11 @@ def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(view), 1))
         unpacker.feed(view)
         for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
+            if _is_str(view[unpacker.tell()]):
+                key = unpacker.unpack()
+            else:  # skipped unbuilt: a map or array key may hold keys msgpack refuses to build
+                unpacker.skip()
+                key = None
             count = _array_length(view, unpacker.tell()) if key == "messages" else None
             if key == "id":
                 msg_id = unpacker.unpack()
@@ -328,6 +332,11 @@ def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
     except Exception:
         return None, None
     return msg_id, type_tag
+
+
+def _is_str(head: int) -> bool:
+    """Whether a msgpack value starting with the byte ``head`` is a str."""
+    return 0xA0 <= head <= 0xBF or 0xD9 <= head <= 0xDB
 
 
 def _check_header(header: Any) -> None:

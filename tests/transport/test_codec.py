@@ -383,3 +383,16 @@ def test_sampling_params_take_a_tuple_of_stop_ids_and_ints_for_floats():
     params = SamplingParams(stop_token_ids=(1, 2), temperature=0, top_p=1)
     assert params.stop_token_ids == [1, 2] and type(params.stop_token_ids) is list
     assert codec.decode([codec.encode(Generate(id="g", prompt_ids=[1], sampling=params))]).sampling == params
+
+
+@pytest.mark.parametrize("key", [b"\x07", b"\xc0", b"\x91\x01", b"\x81\x01\x01", b"\x81\xa1k\x81\x01\x01"],
+                         ids=["int", "nil", "array", "map", "map-in-map"])
+@pytest.mark.parametrize("id_first", [True, False])
+def test_a_key_that_is_not_a_str_is_answered_with_the_messages_id_whatever_the_key(key, id_first):
+    # A map (or an array holding one) as a key lost the id: reading the id built that key,
+    # and msgpack refuses to build a map with a key that is not a str.
+    head, ident, bad = b"\x84\xa1v\x01\xa4type\xa5stats", b"\xa2id\xa2k8", key + b"\x01"
+    raw = head + (ident + bad if id_first else bad + ident)
+    assert _code(raw) == ("bad_field", "k8")
+    batch = msgpack.packb({"v": 1, "type": "batch", "id": "B", "messages": []})  # a map of 4: one more key
+    assert _code(b"\x85" + batch[1:] + bad) == ("bad_field", "")  # a batch's own id is never answered
