@@ -396,3 +396,13 @@ def test_a_key_that_is_not_a_str_is_answered_with_the_messages_id_whatever_the_k
     assert _code(raw) == ("bad_field", "k8")
     batch = msgpack.packb({"v": 1, "type": "batch", "id": "B", "messages": []})  # a map of 4: one more key
     assert _code(b"\x85" + batch[1:] + bad) == ("bad_field", "")  # a batch's own id is never answered
+
+
+def test_an_ext_in_an_unknown_field_is_skipped_unless_it_is_a_malformed_timestamp():
+    # PROTOCOL.md 3: well-formed ext and timestamps are skipped with their field; a timestamp of a
+    # wrong length, or with nanoseconds over 999,999,999, is not msgpack.
+    head = b"\x84\xa1v\x01\xa4type\xa5stats\xa2id\xa1s\xa1x"
+    for ext in (b"\xd6\xff" + bytes(4), b"\xd7\xff" + bytes(8), b"\xc7\x0c\xff" + bytes(12), b"\xd5\x07ab"):
+        assert type(codec.decode([head + ext])) is Stats
+    for ext in (b"\xc7\x03\xffabc", b"\xd7\xff" + b"\xff" * 8):
+        assert _code(head + ext) == ("bad_frame", None)
