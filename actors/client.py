@@ -810,10 +810,13 @@ class RemoteClient(_Base):
         return list(data.get("request_ids", []))
 
     async def stats(self) -> dict[str, Any]:
+        """Fleet statistics (PROTOCOL.md 6.5). Raises Overloaded while 64 stats and control
+        calls of this client wait for their answer."""
         return await self._call(Stats(id=f"s{next(self._ids)}"))
 
     async def control(self, op: str, **args: Any) -> dict[str, Any]:
         """{worker id: reply data}, as LLMClient.control. Raises Unsupported when an engine
-        lacks ``op``, InvalidRequest for an unknown op or bad args."""
+        lacks ``op``, InvalidRequest for an unknown op or bad args, Overloaded while 64 stats
+        and control calls of this client wait for their answer."""
         data = await self._call(Control(id=f"c{next(self._ids)}", op=op, args=args))
         return data.get("workers", data)

@@ -114,6 +114,12 @@ _ABORT = FinishReason.ABORT.value
 _LENGTH = FinishReason.LENGTH.value
 _FOREVER = float("inf")
 _NUMBER = (float, int)
+
+MAX_CALLS_PER_CLIENT = 64
+"""Most stats and control calls of one client waiting for their answer; more are answered
+overloaded. Each is a task of the supervisor's loop that asks every worker: unbounded, one
+client sending stats as fast as it can held every other client's requests back by seconds."""
+
 # Clients remembered as taking batches (hello with batch): the oldest are forgotten past this
 # many, and get their messages one to a frame again, which they read as well.
 MAX_BATCH_CLIENTS = 1 << 16
@@ -203,6 +209,7 @@ class Supervisor:
         self._fsock: Any = None
         self._frontend_file: tuple[str, int] | None = None  # an ipc:// frontend's socket file, inode
         self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
+        self._client_calls: dict[bytes, int] = {}  # stats and control calls of each client not answered yet
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
@@ -1505,6 +1512,12 @@ class Supervisor:
         elif isinstance(msg, AbortAll):
             self._reply_client(identity, Reply(id=msg.id, data={"request_ids": self.abort_all(origin, msg.session_id)}))
         elif isinstance(msg, (Stats, Control)):
+            calls = self._client_calls.get(identity, 0)
+            if calls >= MAX_CALLS_PER_CLIENT:
+                self._reply_client(identity, Error(id=msg.id, code="overloaded", message=(
+                    f"{calls} stats and control calls of this client are waiting for their answer; retry later")))
+                return
+            self._client_calls[identity] = calls + 1
             asyncio.create_task(self._answer_call(identity, msg))
         elif isinstance(msg, Hello):
             self._batch_clients.pop(identity, None)
@@ -1525,13 +1538,17 @@ class Supervisor:
             else:
                 data = {"workers": await self.control(msg.op, msg.args)}
         except RolloutError as exc:
-            self._reply_client(identity, Error(id=msg.id, code=exc.code, message=str(exc)))
-            return
+            answer: Message = Error(id=msg.id, code=exc.code, message=str(exc))
         except Exception as exc:
             logger.exception("client call failed")
-            self._reply_client(identity, Error(id=msg.id, code="internal", message=repr(exc)))
-            return
-        self._reply_client(identity, Reply(id=msg.id, data=data))
+            answer = Error(id=msg.id, code="internal", message=repr(exc))
+        else:
+            answer = Reply(id=msg.id, data=data)
+        finally:
+            calls = self._client_calls.pop(identity) - 1
+            if calls:
+                self._client_calls[identity] = calls
+        self._reply_client(identity, answer)
 
 
 class _Training:

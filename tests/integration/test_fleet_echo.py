@@ -973,3 +973,44 @@ def test_workers_of_a_job_that_ignores_sighup_keep_ignoring_it():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "0"], out.stdout + out.stderr
     assert "collected without shutdown" not in out.stderr
+
+
+async def test_a_client_flooding_stats_is_answered_overloaded_past_64_waiting_calls_and_other_clients_are_not():
+    # Each stats call asks every worker; with no bound, one client sending them as fast as it
+    # could held other clients' requests back by seconds. A stopped worker keeps each call
+    # waiting (ENGINE_STATS_TIMEOUT_S), so the flood's calls pile up as they would under load.
+    from rollfleet.actors.supervisor import MAX_CALLS_PER_CLIENT
+
+    async with fleet(2, heartbeat_timeout_s=120.0) as sup:
+        stopped = psutil.Process(sup.slots[0].pid)
+        ctx = zmq.asyncio.Context()
+        flood, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock in (flood, other):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(sup.frontend_address)
+
+        async def answers(sock, count):
+            return [msgpack.unpackb(await asyncio.wait_for(sock.recv(), 30), raw=False) for _ in range(count)]
+
+        stopped.suspend()
+        try:
+            for i in range(MAX_CALLS_PER_CLIENT + 36):
+                await flood.send(msgpack.packb({"v": 1, "type": "stats", "id": f"s{i}"}))
+            refused = await answers(flood, 36)  # at once: the 64 first wait for the stopped worker
+            assert {(m["type"], m["code"]) for m in refused} == {("error", "overloaded")}
+            assert sorted(int(m["id"][1:]) for m in refused) == list(range(MAX_CALLS_PER_CLIENT, MAX_CALLS_PER_CLIENT + 36))
+            # Another client's calls are counted apart: not refused.
+            await other.send(msgpack.packb({"v": 1, "type": "stats", "id": "mine"}))
+            assert [(m["id"], m["type"]) for m in await answers(other, 1)] == [("mine", "reply")]
+            waited = await answers(flood, MAX_CALLS_PER_CLIENT)
+            assert sorted(int(m["id"][1:]) for m in waited) == list(range(MAX_CALLS_PER_CLIENT))
+            assert {m["type"] for m in waited} == {"reply"}
+        finally:
+            stopped.resume()
+        await flood.send(msgpack.packb({"v": 1, "type": "stats", "id": "again"}))  # its calls are counted down
+        await flood.send(msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [5],
+                                        "sampling": {"max_tokens": 3}}))
+        done = {m["id"]: m for m in await answers(flood, 2)}
+        assert done["again"]["type"] == "reply" and done["g"]["token_ids"] == echo_tokens([5], 3)
+        assert sup._client_calls == {}
+        ctx.destroy(0)
