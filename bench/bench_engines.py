@@ -51,7 +51,8 @@ submission to its last token, all requests of all measured rounds), ``torch_toke
 ``vllm_tokens_match`` (the first measured round's tokens are the same on both paths),
 ``torch_start_s``, ``vllm_start_s`` (seconds to start the direct engine and the fleet, together);
 ``goal_vllm_overhead_met`` (with vLLM only: ``vllm_fleet_vs_direct`` >= 0.95), ``vllm_measured``
-(always written: whether the ``vllm_...`` figures are in this JSON). The run: ``quick``,
+(always written: whether the ``vllm_...`` figures are in this JSON), ``vllm_not_measured_reason``
+(only when it is false: why, e.g. the error ``import vllm`` gave). The run: ``quick``,
 ``num_requests`` (per round), ``max_tokens``, ``rounds``, ``model`` (the ``--model`` folder's name,
 or ``tiny-random-llama``), ``iomp_preloaded`` (whether this run re-executed with libiomp5 in
 ``LD_PRELOAD``), ``vllm_omp_threads_bind`` (``VLLM_CPU_OMP_THREADS_BIND`` as both paths saw it; "0"
@@ -73,7 +74,11 @@ import sys
 import tempfile
 import time
 
-from common import bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, quick_defaults, write_json
+from common import (bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, quick_defaults, run_loop,
+                    run_main, stop_signals, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
 
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.engines import create_engine
@@ -235,13 +240,6 @@ async def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_loop(coro):  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
 
 def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
     m: dict = {"quick": args.quick, "num_requests": args.requests, "max_tokens": args.max_tokens,
@@ -263,7 +261,8 @@ def report(args: argparse.Namespace, res: dict, iomp: str | None) -> dict:
     if "vllm" in res:
         m["goal_vllm_overhead_met"] = m["vllm_fleet_vs_direct"] >= GOAL_VLLM
     else:
-        rows.append((f"vllm: not measured ({args.vllm_skipped or 'not in --engines'})", None, None, None, None))
+        m["vllm_not_measured_reason"] = args.vllm_skipped or "not in --engines"
+        rows.append((f"vllm: not measured ({m['vllm_not_measured_reason']})", None, None, None, None))
     print_table(["path", "tokens/s", "p50 request ms", "fleet/direct", "same tokens"], rows,
                 title=f"{args.requests} requests x {args.max_tokens} tokens, greedy, all at once; "
                       f"median of {args.rounds} rounds")
@@ -329,4 +328,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

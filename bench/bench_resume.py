@@ -94,8 +94,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import (bench_parser, finite_float, machine_info, png_path, print_table, quick_defaults, run_loop,
+                    run_main, stop_signals, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
+
 import psutil
-from common import bench_parser, finite_float, machine_info, png_path, print_table, quick_defaults, write_json
 
 from rollfleet.actors import FleetConfig, StreamChunk, Supervisor
 from rollfleet.transport.messages import SamplingParams
@@ -483,13 +488,6 @@ def plot(path: str, phases: list[Phase], every: float) -> bool:
     return True
 
 
-def run_loop(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # plain asyncio works too, only slower
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__)
@@ -526,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--echo-tokens-per-s must be >= 0 (0: unpaced)")
     if not 0 <= args.spread < 1:
         parser.error("--spread must be in [0, 1)")
+    if args.duration <= 0:
+        parser.error("--duration must be > 0")
     if args.every <= 0 or args.duration < args.every:
         parser.error("--every must be > 0 and at most --duration")
     if args.engine == "torch" and args.prompt_len + round(args.max_tokens * (1 + args.spread)) >= 512:
@@ -551,4 +551,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

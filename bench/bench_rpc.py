@@ -51,7 +51,8 @@ process of its own, 1 worker), ``remote_client_us_per_req`` (that process's CPU 
 (always written), then only when it is true: ``ray_sync_rps`` (calls / wall time of the sequential
 loop), ``ray_sync_p50_us``, ``ray_sync_p99_us``, ``fleet_vs_ray_rps`` (``fleet_rps_best`` /
 ``ray_sync_rps``), ``goal_ray_met`` (``fleet_vs_ray_rps`` >= 10), ``num_ray_calls`` (500; full run
-2000). The run: ``quick``, ``window``,
+2000); when it is false, ``ray_not_measured_reason`` (why: --no-ray, the import error, or how Ray
+failed to start). The run: ``quick``, ``window``,
 ``prompt_len``, ``num_rtt_calls`` (per path), ``num_tput_calls`` (per path, split over the 3
 floods), ``elapsed_s``; and the machine facts ``machine_*`` of bench/common.py (``MACHINE_KEYS``).
 """
@@ -66,16 +67,22 @@ import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+
+from common import (bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, run_loop, run_main,
+                    STOP_SIGNALS, child_env, stop_signals, stopped_by, summarize, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
+
 import msgpack
 import zmq
-
-from common import bench_parser, machine_info, plot_cdfs_and_bars, png_path, print_table, summarize, write_json
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.engines.echo import echo_next_token
@@ -103,13 +110,22 @@ def echo_reply(req: dict) -> dict:
 
 # ============================================================================ raw floor
 def serve_raw(addr: str) -> None:
-    """Child process: answer each request map with a result map until told to stop."""
+    """Child process: answer each request map with a result map until told to stop, or until
+    its parent is gone. It ignores stop signals: its parent waits on it in blocking calls, so
+    it serves them to the end, and its parent stops it (STOP, or a kill) as it cleans up."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     sock.send(b"hello")
     while True:
+        if not sock.poll(1000):
+            if os.getppid() != parent:  # the parent was killed outright: nobody will stop us
+                break
+            continue
         raw = sock.recv()
         if raw == STOP:
             break
@@ -127,10 +143,14 @@ def raw_peer():
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(addr)
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-server", addr])
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-server", addr], env=child_env())
     try:
-        if not sock.poll(30_000):
-            raise RuntimeError("raw echo server did not connect within 30 s")
+        deadline = time.monotonic() + 30
+        while not sock.poll(200):  # in slices: a server that died (a stop signal) ends the wait
+            if proc.poll() is not None:
+                raise RuntimeError(f"raw echo server exited with status {proc.returncode} before it connected")
+            if time.monotonic() > deadline:
+                raise RuntimeError("raw echo server did not connect within 30 s")
         ident, _ = sock.recv_multipart()
         yield sock, ident
         if not sock.closed:  # else its user sent STOP through its own wrapper
@@ -289,13 +309,16 @@ async def remote_process(stack: contextlib.AsyncExitStack, address: str, window:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--remote-client", address, "--window", str(window),
         "--prompt-len", str(len(PROMPT)),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=child_env())
 
     async def stop() -> None:
         if proc.returncode is None:
             with contextlib.suppress(OSError):
                 proc.stdin.write(b"exit\n")
                 proc.stdin.close()
+            if stopped_by() is not None:  # stopping on a signal: do not wait for its flood to end
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), 30)
             except asyncio.TimeoutError:
@@ -361,13 +384,6 @@ async def measure(sizes: dict) -> dict:
     return out
 
 
-def run_loop(coro):  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-    except ImportError:  # the fleet runs on plain asyncio too, only slower
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
 
 # ============================================================================ ray baseline
 def bench_ray(n: int, warmup: int) -> dict | str:
@@ -375,8 +391,8 @@ def bench_ray(n: int, warmup: int) -> dict | str:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     try:
         import ray
-    except ImportError:
-        return "ray is not importable"
+    except ImportError as exc:
+        return f"ray is not importable ({type(exc).__name__}: {exc})"
     # Short path: Ray puts unix sockets under it, and those have a ~100-byte path limit.
     tmp = tempfile.mkdtemp(prefix="rfray", dir="/tmp")
     try:
@@ -435,6 +451,8 @@ def metrics(args: argparse.Namespace, sizes: dict, res: dict, ray: dict | str) -
     m["goal_p50_met"] = m["fleet_vs_raw_p50"] <= 1.5
     m["goal_rps_met"] = m["fleet_vs_raw_rps"] >= 0.5
     m["ray_measured"] = isinstance(ray, dict)
+    if not isinstance(ray, dict):
+        m["ray_not_measured_reason"] = ray
     if isinstance(ray, dict):
         s_ray = summarize(ray["lat"])
         m.update(ray_sync_rps=ray["rps"], ray_sync_p50_us=s_ray["p50"], ray_sync_p99_us=s_ray["p99"],
@@ -542,4 +560,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -59,6 +59,20 @@ memcpy of the same bytes are timed in turns after a warm-up; the best of 6 (full
     python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # 1-2 min on 2 cores
     python bench/bench_scaling.py --json bench/out/bench_scaling.json           # a few minutes
 
+Rates and CPU: every req/s figure is the median of the rounds' rates (each round: its calls / its
+wall time); every figure in cores is the CPU seconds of all rounds / their wall seconds; every us
+per request figure (the keys with ``us_per_req``) is the CPU seconds of all rounds / the calls of
+all rounds. So a us-per-request figure is cores / (all calls / all wall time), the rounds' rate
+weighted by their time, and equals cores / req/s only when the rounds ran at one rate: a slower
+round (a first one, other work on the machine) lowers the weighted rate and not the median, and
+the table's cores / req/s then reads less than its us/req. The loop's CPU is its thread's own clock
+(exact); the workers' CPU (``workers_cpu_{n}w``, ``workers_us_per_req_{n}w``,
+``paced_workers_cpu_{n}w``, ``running_workers_cpu_{ms}ms``, ``weights_workers_cpu_{k}w``) is read
+from /proc, which counts 10 ms ticks per process: each reading can be 10 ms off per worker, so
+with ``--quick``'s short floods (2,000 calls a round, a tenth of a second or so) the workers'
+per-request CPU moves in steps of about 10 ms x workers / calls (5 us per worker at 2,000 calls)
+and is a rough figure there.
+
 Keys: ``rps_{n}w``, ``p50_us_{n}w``, ``p99_us_{n}w`` (under load), ``seq_p50_us_{n}w``,
 ``seq_p99_us_{n}w``, ``supervisor_cpu_{n}w`` (cores used by the supervisor process),
 ``supervisor_loop_cpu_{n}w`` (its event-loop thread, 1.0 = one core saturated),
@@ -67,7 +81,7 @@ for a core: Linux schedstat, written where the kernel keeps it), ``workers_cpu_{
 ``machine_busy_{n}w`` (cores busy machine-wide),
 ``supervisor_cpu_share_{n}w`` (supervisor / (supervisor + workers)), ``bottleneck_{n}w``,
 ``supervisor_us_per_req_{n}w``, ``loop_us_per_req_{n}w``, ``workers_us_per_req_{n}w`` (CPU per
-request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
+request, all rounds: see above), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its own),
 ``start_s_{n}w`` (fleet start-up); ``batch_rps_{n}w``, ``batch_loop_cpu_{n}w``,
 ``batch_loop_us_per_req_{n}w``, ``batch_bottleneck_{n}w`` (the generate_batch floods),
 ``batch_loop_cpu_max``; ``gbps_{k}w`` (model bytes per second of update),
@@ -76,7 +90,10 @@ request), ``loop_ceiling_rps_{n}w`` (what the loop could carry on a core of its 
 largest fleet / rps at the smallest: one worker unless ``--workers`` leaves it out),
 ``p99_scaling_max`` (the same for p99 under load), ``gbps_scaling_max`` (GB/s to the most
 receivers / to the fewest),
-``supervisor_loop_cpu_max`` (the busiest flood's loop), ``bottleneck`` (at the largest fleet),
+``supervisor_loop_cpu_max`` (the busiest loop of the single-call floods ``rps_{n}w`` only),
+``no_model_loop_cpu_max`` (the busiest loop of every no-model flood: single calls, generate_batch
+calls, ranks, client processes and their in-process baseline; the goal's figure) and
+``no_model_loop_cpu_max_run`` (which flood that was), ``bottleneck`` (at the largest fleet),
 ``max_workers``, ``max_receivers``; the run: ``window``, ``num_tput_calls``, ``weights_mb``,
 ``bucket_mb``, ``quick``, ``elapsed_s``; engine-paced: ``paced_rps_{n}w``,
 ``paced_capacity_rps_{n}w``, ``paced_vs_capacity_{n}w``, ``paced_p50_ms_{n}w``, ``paced_p99_ms_{n}w``,
@@ -103,7 +120,8 @@ supervisor's loop, cores), ``clients_loop_us_per_req_{k}c``, ``clients_cpu_{k}c`
 processes, cores), ``clients_client_us_per_req_{k}c``, ``clients_machine_busy_{k}c``,
 ``clients_bottleneck_{k}c``, ``clients_max``, ``clients_rps_scaling_max`` (most clients / fewest),
 ``clients_loop_cpu_max``, ``clients_bottleneck`` (with the most), ``clients_in_process_rps`` (the
-baseline: the same fleet flooded by its in-process client, in turns with the client processes); and the machine facts ``machine_*`` of
+baseline: the same fleet flooded by its in-process client, in turns with the client processes),
+``clients_in_process_loop_cpu`` (its loop, cores); and the machine facts ``machine_*`` of
 bench/common.py (``MACHINE_KEYS``; ``machine_busy_{n}w`` above is a measurement, not one of them).
 """
 
@@ -122,10 +140,15 @@ import threading
 import time
 from typing import Any
 
+
+from common import (bench_parser, finite_float, machine_info, png_path, print_table, run_loop, run_main,
+                    child_env, stop_signals, stopped_by, summarize, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
+
 import psutil
 import torch
-
-from common import bench_parser, finite_float, machine_info, png_path, print_table, summarize, write_json
 
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.actors.config import REPORT_INTERVAL_S
@@ -458,7 +481,7 @@ async def start_children(argvs: list[list[str]]) -> list:
         for argv in argvs:
             procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, os.path.abspath(__file__), *argv,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26))
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26, env=child_env()))
         for proc in procs:
             line = await asyncio.wait_for(proc.stdout.readline(), 300)
             if not line.startswith(b"{"):
@@ -470,12 +493,16 @@ async def start_children(argvs: list[list[str]]) -> list:
 
 
 async def stop_children(procs: list) -> None:
-    """Tell each child to exit (end of input also does), and kill any that does not."""
+    """Tell each child to exit (end of input also does), and kill any that does not. Stopping on
+    a signal, SIGTERM them at once: a child in the middle of a flood reads ``exit`` only after it."""
     for proc in procs:
         if proc.returncode is None:
             with contextlib.suppress(OSError):
                 proc.stdin.write(b"exit\n")
                 proc.stdin.close()
+            if stopped_by() is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()  # a rank stops its own fleet on it (stop_signals)
     for proc in procs:
         try:
             await asyncio.wait_for(proc.wait(), 60)
@@ -716,13 +743,6 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
     return fleets, ranks, clients, paced, running, updates, memcpy
 
 
-def run_loop(coro):  # type: ignore[no-untyped-def]
-    try:
-        import uvloop
-    except ImportError:  # the fleet runs on plain asyncio too, only slower
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
 
 def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, running: dict, updates: dict,
             memcpy: float) -> dict:
@@ -764,6 +784,7 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         by = clients["by_clients"]
         m["clients_workers"] = clients["workers"]
         m["clients_in_process_rps"] = clients["in_process"]["rps"]
+        m["clients_in_process_loop_cpu"] = clients["in_process"]["cpu"]["loop"]
         for k, f in by.items():
             m[f"clients_rps_{k}c"], m[f"clients_p99_us_{k}c"] = f["rps"], f["lat"]["p99"]
             m[f"clients_loop_cpu_{k}c"], m[f"clients_cpu_{k}c"] = f["cpu"]["loop"], f["cpu"]["clients"]
@@ -818,6 +839,16 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
     m["bottleneck"] = fleets[top]["bottleneck"]
     m["supervisor_loop_cpu_max"] = max(f["cpu"]["loop"] for f in fleets.values())
     m["batch_loop_cpu_max"] = max(f["batches"]["cpu"]["loop"] for f in fleets.values())
+    # The busiest loop of every no-model flood this run made, whatever its kind: the goal's figure.
+    loops = {f"single calls, {n} workers": f["cpu"]["loop"] for n, f in fleets.items()}
+    loops.update({f"generate_batch calls, {n} workers": f["batches"]["cpu"]["loop"] for n, f in fleets.items()})
+    if ranks:
+        loops.update({f"{k} ranks (the busiest)": f["cpu"]["loop"] for k, f in ranks["by_ranks"].items()})
+    if clients:
+        loops.update({f"{k} client processes": f["cpu"]["loop"] for k, f in clients["by_clients"].items()})
+        loops["in-process client, the client processes' fleet"] = clients["in_process"]["cpu"]["loop"]
+    busiest = max(loops, key=loops.get)
+    m["no_model_loop_cpu_max"], m["no_model_loop_cpu_max_run"] = loops[busiest], busiest
     if updates:
         m["memcpy_gbps"] = memcpy
         m["max_receivers"] = max(updates)
@@ -1001,10 +1032,13 @@ def main(argv: list[str] | None = None) -> int:
                      if x and float(x) != 0]
     except ValueError:
         parser.error("--running-intervals takes comma-separated seconds")
-    if (any(not 0.001 <= i <= 60 for i in intervals) or len({round(i * 1000) for i in intervals}) < len(intervals)
-            or min(args.running_workers, args.running_per_worker) < 1):
+    if any(not 0.001 <= i <= 60 for i in intervals) or len({round(i * 1000) for i in intervals}) < len(intervals):
         parser.error("--running-intervals must be in 0.001..60 s, a millisecond apart at least (the keys name them "
-                     "in ms); --running-workers and --running-per-worker >= 1")
+                     "in ms)")
+    if args.running_workers < 1:
+        parser.error("--running-workers must be >= 1")
+    if args.running_per_worker < 1:
+        parser.error("--running-per-worker must be >= 1")
     sizes["running"] = {"workers": args.running_workers, "per_worker": args.running_per_worker,
                         "intervals": sorted(set(intervals)), "rounds": 2 if args.quick else ROUNDS,
                         "settle_s": 0.5 if args.quick else 1.0, "measure_s": 1.5 if args.quick else 3.0}
@@ -1067,6 +1101,9 @@ def main(argv: list[str] | None = None) -> int:
                   m[f"batch_loop_us_per_req_{n}w"], m[f"batch_loop_us_per_req_{n}w"] / m[f"loop_us_per_req_{n}w"],
                   f["batches"]["bottleneck"]) for n, f in sorted(fleets.items())],
                 title=f"the same requests as generate_batch calls of {max(args.window // 2, 1)} prompts, two at a time")
+    print("req/s: the median round's rate; us/req: CPU seconds of all rounds / their calls (not cores / req/s "
+          "when rounds ran at different rates); workers' CPU counts 10 ms ticks per worker"
+          + (": rough at --quick" if args.quick else ""))
     if ranks:
         print()
         print_table(["ranks", "workers each", "req/s", "vs fewest ranks", "p99 us", "busiest loop cores", "sup. cores",
@@ -1117,7 +1154,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print_table(["receivers", "GB/s", "update s", "sup. process cores"],
                     [(k, u["gbps"], u["seconds"], u["cpu"].get("supervisor")) for k, u in sorted(updates.items())],
-                    title=f"update_weights, {sizes['weights_mb']} MB bf16 in {sizes['bucket_mb']} MB buckets "
+                    title=f"update_weights, {sizes['weights_mb']} MiB bf16 in {sizes['bucket_mb']} MiB buckets "
                           f"(memcpy of the same bytes: {memcpy:.2f} GB/s)")
     print(f"\n{m['elapsed_s']:.1f} s in all; bottleneck at {m['max_workers']} workers: {m['bottleneck']} "
           f"(no model), {m.get('paced_bottleneck', 'not run')} (engine-paced)"
@@ -1133,4 +1170,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -45,7 +45,8 @@ between and after the two cuda_ipc rows). Ratios: ``shm_vs_memcpy``, ``shm_as_al
 ``shm_buffered_vs_memcpy`` (the row's best / ``memcpy_gbps``), ``cuda_ipc_vs_d2d``,
 ``cuda_ipc_buffered_vs_d2d`` (the row's best / ``d2d_gbps``). ``cuda_ipc_measured`` (always
 written: whether the cuda_ipc rows, ``d2d_gbps`` and their ratios are in this JSON; false without
-a CUDA device, or without cuda_ipc in ``--transports``; the table then says which). The run: ``bytes`` (bytes of one CPU
+a CUDA device, or without cuda_ipc in ``--transports``; the table then says which, and
+``cuda_ipc_not_measured_reason``, written only then, too). The run: ``bytes`` (bytes of one CPU
 update: the Llama checkpoint's tensors, or made-up ones when no fleet row ran), ``num_tensors``
 (tensors in it), ``bytes_cuda`` (bytes of one cuda_ipc update, GPU only), ``buckets_mb`` (the bucket
 sizes, a comma-separated string), ``reps`` (timed updates per CPU row and bucket size),
@@ -72,11 +73,16 @@ import sys
 import tempfile
 import time
 
-import torch
-import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bench_parser, machine_info, png_path, print_table, write_json  # noqa: E402
+from common import (bench_parser, machine_info, png_path, print_table, run_loop, run_main,  # noqa: E402
+                    child_env, stop_signals, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
 
 from rollfleet.engines.base import Engine  # noqa: E402
 from rollfleet.errors import RequestTimeout, from_code  # noqa: E402
@@ -125,12 +131,7 @@ def worker(addr: str, worker_id: str, device: str) -> None:
 
     engine_worker.create_engine = lambda name, options=None: ParamEngine(device)
     ew = engine_worker.EngineWorker({"worker_id": worker_id, "addr": addr, "engine": "params", "device": device})
-    try:
-        import uvloop
-
-        uvloop.run(ew.run())
-    except ImportError:
-        asyncio.run(ew.run())
+    run_loop(ew.run())
 
 
 class Link:
@@ -175,7 +176,8 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
     sock = make_socket(ctx, zmq.ROUTER, addr, bind=True)
     link = Link(device)
     reader = link.sock = LoopSocket(sock, link.on_frames)
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", addr, "--device", device])
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", addr, "--device", device],
+                            env=child_env())
     try:
         await asyncio.wait_for(link.registered, 120)
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
@@ -233,7 +235,7 @@ def memcpy_gbps(weights, reps: int) -> float:
 
 
 def make_weights(total: int, device: str) -> list:
-    """bf16 tensors of 64 MB (smaller for small totals), filled with arbitrary values."""
+    """bf16 tensors of 64 MiB (smaller for small totals), filled with arbitrary values."""
     size = min(64 * MB, max(MB, total // 8))
     n = max(1, total // size)
     return [(f"layer.{i}.weight", torch.full((size // 2,), i * 0.5, dtype=torch.bfloat16, device=device))
@@ -342,7 +344,12 @@ def _positive(kind):  # type: ignore[no-untyped-def]
 
 def _transports(text: str) -> str:
     """An argparse type: comma-separated names out of TRANSPORTS."""
-    unknown = sorted(set(text.split(",")) - set(TRANSPORTS))
+    names = text.split(",")
+    if not any(name.strip() for name in names):
+        raise argparse.ArgumentTypeError(f"is empty: name one or more of {', '.join(TRANSPORTS)}")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty name in {text!r}: the transports are {', '.join(TRANSPORTS)}")
+    unknown = sorted(set(names) - set(TRANSPORTS))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown transport(s) {', '.join(unknown)}; the transports are "
                                          f"{', '.join(TRANSPORTS)}")
@@ -386,8 +393,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="rf-bench-model-") as folder:
             weights = llama_checkpoint(folder, total)
             gloo_buckets = (buckets[:1] if args.quick else buckets) if "gloo" in wanted else []
-            fleet = asyncio.run(fleet_curves(folder, weights, buckets if "shm" in wanted else [], gloo_buckets,
-                                             reps, baseline))
+            fleet = run_loop(fleet_curves(folder, weights, buckets if "shm" in wanted else [], gloo_buckets,
+                                          reps, baseline), use_uvloop=False)
             curves.update({k: v for k, v in fleet.items() if v})
     if weights is None:
         weights = make_weights(total, "cpu")
@@ -399,6 +406,8 @@ def main() -> None:
     cuda_skipped = ("not in --transports" if "cuda_ipc" not in wanted
                     else None if torch.cuda.is_available() else "no CUDA device here")
     result["cuda_ipc_measured"] = cuda_skipped is None
+    if cuda_skipped:
+        result["cuda_ipc_not_measured_reason"] = cuda_skipped
     if cuda_skipped == "no CUDA device here":
         print("cuda_ipc: no CUDA device here, not measured", flush=True)
     if cuda_skipped is None:
@@ -407,10 +416,11 @@ def main() -> None:
         result["bytes_cuda"] = sum(t.numel() * t.element_size() for _, t in gpu_weights)
         result["cuda_reps"] = gpu_reps
         result["d2d_gbps"] = copy_gbps(gpu_weights, "cuda", gpu_reps)
-        curves["cuda_ipc"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps))
+        curves["cuda_ipc"] = run_loop(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps),
+                                     use_uvloop=False)
         result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", gpu_reps))
-        curves["cuda_ipc_buffered"] = asyncio.run(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps,
-                                                          in_place=False))
+        curves["cuda_ipc_buffered"] = run_loop(measure("cuda_ipc", "cuda:0", gpu_weights, buckets, gpu_reps,
+                                                       in_place=False), use_uvloop=False)
         result["d2d_gbps"] = max(result["d2d_gbps"], copy_gbps(gpu_weights, "cuda", gpu_reps))
     for name, curve in curves.items():
         for bucket, gbps in curve.items():
@@ -430,7 +440,7 @@ def main() -> None:
     rows = [[name] + [curve.get(b) for b in buckets] for name, curve in curves.items()]
     if cuda_skipped:
         rows.append([f"cuda_ipc: not measured ({cuda_skipped})"] + [None] * len(buckets))
-    print_table(["transport"] + [f"{b // MB} MB" for b in buckets], rows)
+    print_table(["transport"] + [f"{b // MB} MiB" for b in buckets], rows)
     print(f"memcpy {result['memcpy_gbps']:.2f} GB/s", end="")
     if "shm_vs_memcpy" in result:
         print(f"   shm/memcpy {result['shm_vs_memcpy']:.2f} (goal >= 0.5)", end="")
@@ -466,7 +476,7 @@ def plot(path: str, curves: dict, result: dict, nbytes: int) -> bool:
         ax.axhline(result["d2d_gbps"], linestyle=":", color="black", label="d2d copy")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("bucket size (MB)")
+    ax.set_xlabel("bucket size (MiB)")
     ax.set_ylabel("GB/s (end to end)")
     ax.set_title(f"weight update, {nbytes / 1e9:.2f} GB")
     ax.legend()
@@ -477,4 +487,4 @@ def plot(path: str, curves: dict, result: dict, nbytes: int) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -16,16 +16,26 @@ Every script's JSON also carries the machine facts of ``machine_info()``, the ke
 the first one's name), ``machine_os``, ``machine_python`` and ``machine_load_1m`` (the
 1-minute load average when it was read, -1.0 where the OS has none). Measurements whose
 names also start with ``machine_`` (bench_scaling's ``machine_busy_{n}w``) are not among them.
+
+Every script calls ``stop_signals()`` before its heavy imports, runs its coroutines with
+``run_loop`` and its ``main`` through ``run_main``: SIGINT (Ctrl-C), SIGTERM and SIGHUP then end
+it like an exception (a cancelled coroutine inside ``run_loop``), so its ``finally`` and ``with``
+blocks run (temporary directories, fleets, child processes), and it exits 128 + the signal's
+number with one line on stderr. A script's own child processes call ``stop_signals(child=True)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import atexit
 import importlib.util
 import json
+import logging
 import math
 import os
 import platform
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -42,7 +52,123 @@ __all__ = [
     "print_table",
     "write_json",
     "plot_cdfs_and_bars",
+    "CHILD_ENV",
+    "STOP_SIGNALS",
+    "child_env",
+    "stop_signals",
+    "stopped_by",
+    "run_main",
+    "run_loop",
 ]
+
+
+CHILD_ENV = "ROLLFLEET_BENCH_CHILD"
+"""Set to "1" in the environment of a bench script's own child processes (``child_env()``), so
+that ``stop_signals()`` treats them as children from their first line on."""
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+_stopped_by: int | None = None  # the signal that is stopping this process, once one came
+_quiet = False  # a child process: its parent says what happened
+_main_task: asyncio.Task | None = None  # run_loop's coroutine, while it runs
+
+
+def _say_stopped() -> None:
+    name = os.path.basename(sys.argv[0]) or "bench"
+    print(f"{name}: stopped by {signal.Signals(_stopped_by).name}; cleaned up", file=sys.stderr, flush=True)
+
+
+def _on_stop_signal(signum: int, _frame: Any) -> None:
+    global _stopped_by
+    if _stopped_by is not None:
+        return  # already stopping: a second Ctrl-C must not cut the cleanup short (SIGKILL still does)
+    _stopped_by = signum
+    # The fleet's complaints about workers that the same signal stopped are noise now.
+    logging.disable(logging.ERROR)
+    if not _quiet:
+        atexit.register(_say_stopped)  # also when the signal ends the script while it imports
+    task = _main_task
+    if task is not None:
+        # Inside run_loop: cancel its coroutine, as asyncio.run does on Ctrl-C, so the stop comes
+        # at an await and every ``async with`` (fleets, child processes) closes in order; an
+        # exception raised here could land in the middle of a library's callback instead, or
+        # cut short the loop's own shutdown once the coroutine is done.
+        if not task.done():
+            task.cancel()
+            task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop to see it
+        return
+    raise SystemExit(128 + signum)
+
+
+def stop_signals(*, child: bool = False) -> None:
+    """Stop cleanly on SIGINT, SIGTERM and SIGHUP, once: Python's default for SIGTERM and SIGHUP
+    ends the process without running any ``finally``, so temporary directories and child
+    processes stayed behind. A signal cancels ``run_loop``'s coroutine while one runs, else
+    raises SystemExit(128 + signum) in the main thread; ``run_main`` turns either into the exit
+    status. Call it first thing (scripts do, before their heavy imports).
+
+    ``child=True``, or ``CHILD_ENV`` in the environment, is for a bench script's own child
+    processes: they ignore SIGINT (a Ctrl-C reaches the whole process group; the parent stops its
+    children as it cleans up, as rollfleet's workers are stopped by their supervisor) and stop
+    quietly on SIGTERM and SIGHUP."""
+    global _quiet
+    _quiet = child = child or os.environ.get(CHILD_ENV) == "1"
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN if child and sig == signal.SIGINT else _on_stop_signal)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child process of a bench script: this one, with ``CHILD_ENV``."""
+    return dict(os.environ, **{CHILD_ENV: "1"})
+
+
+def stopped_by() -> int | None:
+    """The signal that is stopping this process, or None: cleanup code uses it to stop child
+    processes at once rather than wait for them to finish their work."""
+    return _stopped_by
+
+
+def run_main(main: Any, *args: Any) -> int:
+    """Run a script's ``main(*args)`` with ``stop_signals()`` in force (unless a child mode set
+    them already); return its exit status.
+
+    Stopped by a signal, whatever exception the stop surfaced as (the SystemExit, a
+    CancelledError, or the error of a child process that was stopped first), it returns 128 +
+    the signal's number (130 for Ctrl-C) with one line on stderr, and no traceback."""
+    if signal.getsignal(signal.SIGTERM) is not _on_stop_signal:
+        stop_signals()
+    try:
+        status = main(*args) or 0
+    except BaseException:
+        if _stopped_by is None:
+            raise
+    else:
+        if _stopped_by is None:
+            return status
+    return 128 + _stopped_by
+
+
+def run_loop(coro: Any, *, use_uvloop: bool = True) -> Any:
+    """Run a coroutine to its end on uvloop where it is installed (as the CLI runs a fleet; and
+    ``use_uvloop``), else on asyncio. A stop signal meanwhile cancels it (``stop_signals``)."""
+
+    global _main_task
+
+    async def main() -> Any:
+        global _main_task
+        _main_task = asyncio.current_task()
+        return await coro
+
+    run = asyncio.run
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:  # the fleet runs on plain asyncio too, only slower
+            pass
+        else:
+            run = uvloop.run
+    try:
+        return run(main())
+    finally:
+        _main_task = None  # set until the loop has shut down: no signal may raise inside that
 
 
 def bench_parser(description: str | None) -> argparse.ArgumentParser:

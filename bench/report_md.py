@@ -47,6 +47,9 @@ class Row:
     """Measured only on a machine with a GPU."""
     missing: str = ""
     """Why the figure can be absent, said in the report when it is."""
+    why_key: str | None = None
+    """A key in which the script says why it did not measure the figure; said instead of
+    ``missing`` when the JSON holds it."""
 
     def __post_init__(self) -> None:
         if self.goal is not None and (len(self.goal) not in (2, 3) or self.goal[0] not in OPS):
@@ -124,7 +127,7 @@ def expand(row: Row, metrics: dict[str, Any]) -> list[tuple[Row, bool]]:
         rows.append((Row(label=label, key=row.key.format(n=n),
                          baseline=row.baseline and row.baseline.format(n=n), against=row.against,
                          ratio=row.ratio and row.ratio.format(n=n), goal=row.goal, gpu=row.gpu,
-                         missing=row.missing, headline=head), head))
+                         missing=row.missing, why_key=row.why_key, headline=head), head))
     return rows
 
 
@@ -338,6 +341,8 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
                     why = row.missing or "not in this run's JSON"
                     if row.gpu and "no GPU" in machine:
                         why = "needs a GPU; this machine has none"
+                    if row.why_key and isinstance(m.get(row.why_key), str) and m[row.why_key]:
+                        why = m[row.why_key]  # the script knows the actual reason
                     lines.append(f"| {row.label} | not measured: {why} | {row.against or '-'} | - | - | "
                                  f"{goal_text(row)} | - |")
                     continue
@@ -356,6 +361,10 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
             f"`{k}` {'yes' if v else '**no**'}" for k, v in sorted(own.items()))]
     if png_link:
         lines += ["", f"![{o.name}]({png_link})"]
+    elif o.origin:
+        # The plots are drawn from a run's samples, which its JSON does not keep: say why there is none.
+        lines += ["", f"No plot: `{o.origin}` holds no `{o.name}.png` (a script draws its plot from the run's "
+                      "samples, which its JSON does not keep; copy the PNG along with the JSON)."]
     # Only the machine facts of common.machine_info() stay out: a measurement whose name starts
     # with machine_ (bench_scaling's machine_busy_{n}w) is listed like any other.
     rest = {k: v for k, v in sorted(m.items()) if k not in MACHINE_KEYS}
@@ -364,6 +373,15 @@ def section(o: Outcome, spec: Spec | None, machine: str, png_link: str | None) -
     lines += [f"| `{k}` | {fmt(k, v)} |" for k, v in rest.items()]
     lines += ["", "</details>", ""]
     return lines, heads
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+
+
+def link_to(target: str, folder: str) -> str:
+    """A Markdown link to ``target`` from a page in ``folder``: relative, so it resolves wherever
+    the page was written (bench/RESULTS.md or a --report elsewhere), with / separators."""
+    return os.path.relpath(os.path.abspath(target), folder).replace(os.sep, "/")
 
 
 def write_report(path: str, outcomes: list[Outcome], specs: dict[str, Spec], *, here: dict[str, Any], command: str,
@@ -380,12 +398,13 @@ def write_report(path: str, outcomes: list[Outcome], specs: dict[str, Spec], *, 
             continue
         key = machine_of(o.metrics, here, o.origin)
         letter = machines.setdefault(key, chr(ord("A") + len(machines)))
-        machine = f"{letter} ({key[0]} cores, {key[3] if key[3] != 'none' else 'no GPU'})"
+        machine = f"{letter} ({key[0]} cores, {key[1]} memory, {key[3] if key[3] != 'none' else 'no GPU'})"
         link = None
         if o.png:
             suffix = "" if not o.origin else f"-{letter.lower()}"
-            copy_png(o.png, os.path.join(results, f"{o.name}{suffix}.png"))
-            link = f"results/{o.name}{suffix}.png"
+            plot = os.path.join(results, f"{o.name}{suffix}.png")
+            copy_png(o.png, plot)
+            link = link_to(plot, folder)
         lines, h = section(o, specs.get(o.name), machine, link)
         body += lines
         heads += h
@@ -395,7 +414,7 @@ def write_report(path: str, outcomes: list[Outcome], specs: dict[str, Spec], *, 
         "# Benchmark results", "",
         f"Written by `{command}` on {started:%Y-%m-%d %H:%M} UTC in {elapsed_s:.0f} s"
         f"{' (quick runs: short, so noisier than full ones)' if quick else ''}. Run it again to refresh "
-        "this page; each script's own options are in [bench/README.md](README.md).", "",
+        f"this page; each script's own options are in [bench/README.md]({link_to(README, folder)}).", "",
         "These machines are shared and noisy: compare the **ratios**, each measured against its baseline in "
         "the same run on the same machine, not the absolute figures. The load average when each script "
         "started is given with it.", "",

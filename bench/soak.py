@@ -36,9 +36,14 @@ import sys
 import time
 from collections import Counter
 
-import psutil
 
-from common import bench_parser, finite_float, machine_info, print_table, quick_defaults, write_json
+from common import (bench_parser, finite_float, machine_info, print_table, quick_defaults, run_loop, run_main,
+                    stop_signals, write_json)
+
+if __name__ == "__main__":
+    stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
+
+import psutil
 
 from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.engines.echo import echo_tokens
@@ -235,9 +240,11 @@ def main() -> int:
     print(f"soak: {args.duration:.0f}s, {args.workers} echo workers, {args.concurrency} in flight, "
           f"a kill every ~{args.kill_every:.0f}s, an update every {args.update_every:.0f}s")
     machine = machine_info()  # before the run: the load average is other work, not ours
-    metrics = asyncio.run(Soak(args).run())
+    metrics = run_loop(Soak(args).run(), use_uvloop=False)
     rows = [(k, v) for k, v in metrics.items()]
-    print_table(["metric", "value"], rows, title="soak results")
+    print_table(["metric", "value"], rows,
+                title=f"soak results; {machine['machine_cores']} cores, {machine['machine_memory_gb']} GB, "
+                      f"{machine['machine_cpu']}, load {machine['machine_load_1m']}")
     bad = metrics["lost"] + metrics["wrong_tokens"] + metrics["orphans"] + metrics["leaked_shm"]
     bad += int(metrics["private_dir_left"])
     if args.json:
@@ -247,4 +254,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -31,11 +31,12 @@ NOT_KEYS = {
     "bench_engines": {"torch_...", "vllm_..."},
     "bench_resume": {"update_weights"},
 }
-# Keys that only a run with an optional baseline writes.
-RAY = {"ray_sync_rps", "ray_sync_p50_us", "ray_sync_p99_us", "fleet_vs_ray_rps", "goal_ray_met", "num_ray_calls"}
-GPU = {"d2d_gbps", "bytes_cuda", "cuda_reps", "cuda_ipc_gbps", "cuda_ipc_buffered_gbps", "cuda_ipc_gbps_{mb}mb",
+# Keys that only a run with an optional baseline writes, and the reasons written when it did not run.
+NOT_MEASURED = {"ray_not_measured_reason", "cuda_ipc_not_measured_reason", "vllm_not_measured_reason"}
+RAY = {"ray_not_measured_reason", "ray_sync_rps", "ray_sync_p50_us", "ray_sync_p99_us", "fleet_vs_ray_rps", "goal_ray_met", "num_ray_calls"}
+GPU = {"cuda_ipc_not_measured_reason", "d2d_gbps", "bytes_cuda", "cuda_reps", "cuda_ipc_gbps", "cuda_ipc_buffered_gbps", "cuda_ipc_gbps_{mb}mb",
        "cuda_ipc_buffered_gbps_{mb}mb", "cuda_ipc_vs_d2d", "cuda_ipc_buffered_vs_d2d"}
-VLLM = {"vllm_direct_tps", "vllm_fleet_tps", "vllm_fleet_vs_direct", "vllm_direct_latency_p50_s",
+VLLM = {"vllm_not_measured_reason", "vllm_direct_tps", "vllm_fleet_tps", "vllm_fleet_vs_direct", "vllm_direct_latency_p50_s",
         "vllm_fleet_latency_p50_s", "vllm_tokens_match", "vllm_start_s", "goal_vllm_overhead_met"}
 # Keys from the kernel's scheduler statistics, which a kernel built without them lacks.
 SCHEDSTAT = {"supervisor_loop_wait_{n}w", "paced_loop_wait_{n}w"}
@@ -150,9 +151,12 @@ def test_bench_weights_without_a_gpu_says_cuda_ipc_was_not_measured_and_document
     check_keys("bench_weights", m)
     assert m["buckets_mb"] == "16,32"  # by size: shm_as_allocated at the largest, gloo (--quick) at the smallest
     assert "shm_as_allocated_gbps_32mb" in m and "gloo_gbps_16mb" in m and "gloo_gbps_32mb" not in m
+    # The bucket sizes are MiB, in the options and the keys alike: so are the table's headers.
+    assert "16 MiB" in proc.stdout and "32 MiB" in proc.stdout and " MB " not in proc.stdout
     if m["machine_gpu"] == "none":
         assert m["cuda_ipc_measured"] is False and "cuda_ipc_gbps" not in m
         assert "cuda_ipc: not measured (no CUDA device here)" in proc.stdout
+        assert m["cuda_ipc_not_measured_reason"] == "no CUDA device here"
     else:
         assert m["cuda_ipc_measured"] is True and m["cuda_ipc_vs_d2d"] > 0
 
@@ -172,8 +176,10 @@ def test_bench_engines_without_vllm_has_a_not_measured_row_and_documents_every_k
     m = json.loads(out.read_text())
     check_keys("bench_engines", m)
     assert m["vllm_measured"] is False and not any(k.startswith("vllm_") and k not in (
-        "vllm_measured", "vllm_omp_threads_bind") for k in m)
+        "vllm_measured", "vllm_omp_threads_bind", "vllm_not_measured_reason") for k in m)
     assert "vllm: not measured (cannot be imported: ImportError: vllm left out by the test)" in proc.stdout
+    # The actual reason, for the report to quote rather than a list of possible ones.
+    assert m["vllm_not_measured_reason"] == "cannot be imported: ImportError: vllm left out by the test"
     assert m["torch_fleet_vs_direct"] == pytest.approx(m["torch_fleet_tps"] / m["torch_direct_tps"])
 
 

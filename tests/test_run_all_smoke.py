@@ -5,6 +5,7 @@ what could not run. The report goes to a temporary path, never over bench/RESULT
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -104,11 +105,56 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert (tmp_path / "results" / "bench_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_missing_script_is_reported_as_not_run_with_the_reason(tmp_path):
+def run_all_status(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """bench/run_all whatever its exit status."""
+    return subprocess.run([sys.executable, RUN_ALL, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_only_naming_a_missing_script_is_refused_with_exit_2_before_anything_runs(tmp_path):
     report = tmp_path / "R.md"
-    proc = run_all("--only", "bench_nosuchthing", "--out", str(tmp_path / "out"), "--report", str(report))
-    assert "0 of 1 scripts reported" in proc.stdout
-    assert "`bench_nosuchthing`: not run: bench/bench_nosuchthing.py does not exist" in report.read_text()
+    proc = run_all_status("--only", "rpc", "bench_nosuchthing", "--out", str(tmp_path / "out"), "--report", str(report))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("--only: no such script: bench/bench_nosuchthing.py")
+    assert "Traceback" not in proc.stderr and "== bench_rpc" not in proc.stdout
+    assert not report.exists()
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_include_of_a_folder_that_is_missing_or_holds_no_results_is_refused_with_exit_2(tmp_path, what):
+    folder, report = tmp_path / "gpu", tmp_path / "R.md"
+    if what == "empty":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("no results here")
+    proc = run_all_status("--no-run", "--out", str(tmp_path / "out"), "--include", str(folder),
+                          "--report", str(report))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--include {folder}: " in proc.stderr and "Traceback" not in proc.stderr
+    assert not report.exists()
+
+
+def test_a_script_that_fails_makes_run_all_exit_1_after_the_report_naming_it(tmp_path):
+    report = tmp_path / "R.md"
+    # bench_rpc refuses --window 0 at once (exit 2): a failed script, cheaply.
+    proc = run_all_status("--only", "rpc", "--extra", "--window 0", "--out", str(tmp_path / "out"),
+                          "--report", str(report))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "`bench_rpc`: not run: exit status 2" in report.read_text()
+    assert proc.stderr.strip().splitlines()[-1].startswith("run_all: 1 script failed or timed out: bench_rpc (exit status 2")
+
+
+@pytest.mark.timeout(200)
+def test_a_script_that_times_out_makes_run_all_exit_1_and_leaves_nothing_behind(tmp_path):
+    report, tmp = tmp_path / "R.md", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, RUN_ALL, "--quick", "--only", "rpc", "--extra=--no-ray", "--timeout", "3",
+                           "--out", str(tmp_path / "out"), "--report", str(report)], capture_output=True, text=True,
+                          timeout=150, cwd=ROOT, env=dict(os.environ, TMPDIR=str(tmp)))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "`bench_rpc`: not run: timed out after 3 s" in report.read_text()
+    assert "bench_rpc (timed out after 3 s" in proc.stderr.strip().splitlines()[-1]
+    # SIGTERM to its process group: bench_rpc cleaned up its socket folders and fleets itself.
+    assert [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")] == []
+    assert "stopped by SIGTERM" in (tmp_path / "out" / "bench_rpc.log").read_text()
 
 
 def test_report_compares_against_baselines_and_marks_each_machine(tmp_path):
@@ -183,3 +229,27 @@ def test_a_figure_whose_baseline_did_not_run_is_shown_as_measured_not_as_missing
     text = report.read_text()
     assert "| throughput, 4 workers | 18,000 req/s | 1 worker | not in this run (`rps_1w`) | - | - | - |" in text
     assert "not measured: not in this run's JSON" not in text.split("| throughput, 4 workers |")[1].split("\n")[0]
+
+
+def test_every_link_of_a_report_written_outside_bench_resolves(tmp_path):
+    # The report in a folder of its own, away from bench/: its links to bench/README.md and to
+    # the plots must be relative to that folder. An included folder without PNGs says so.
+    out, gpu, report = tmp_path / "out", tmp_path / "gpu", tmp_path / "elsewhere" / "R.md"
+    out.mkdir()
+    gpu.mkdir()
+    rpc = {"raw_rtt_p50_us": 100.0, "fleet_rtt_p50_us": 120.0, "fleet_vs_raw_p50": 1.2, "ray_measured": False,
+           "ray_not_measured_reason": "ray is not importable (ModuleNotFoundError: No module named 'ray')", **HERE}
+    (out / "bench_rpc.json").write_text(json.dumps(rpc))
+    (out / "bench_rpc.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # copied as is when Pillow cannot read it
+    (gpu / "bench_rpc.json").write_text(json.dumps({**rpc, "machine_cores": 16, "machine_memory_gb": 125.9}))
+    run_all("--no-run", "--only", "rpc", "--out", str(out), "--include", str(gpu), "--report", str(report))
+    text = report.read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert any(link.endswith("README.md") for link in links) and any(link.endswith(".png") for link in links)
+    for link in links:
+        assert os.path.exists(os.path.join(report.parent, link)), f"broken link {link} in {report}"
+    assert f"No plot: `{gpu}` holds no `bench_rpc.png`" in text
+    # Each section names its machine's memory; a figure not measured gives the script's own reason.
+    assert "Machine A (2 cores, 23.5 GB memory, no GPU)" in text
+    assert "Machine B (16 cores, 125.9 GB memory, no GPU)" in text
+    assert "not measured: ray is not importable (ModuleNotFoundError: No module named 'ray')" in text
