@@ -89,7 +89,8 @@ class FleetConfig:
     request: 1,024 requests running took 0.05-0.06 of its core reported every 0.05 s and about
     0.02 every 0.5 s (bench_scaling.py, its running section)."""
     heartbeat_timeout_s: float = 30.0
-    """A worker silent this long is considered hung and is killed."""
+    """A worker silent this long is considered hung and is killed (silence counts only while
+    the supervisor runs: a supervisor stopped meanwhile, e.g. a suspended job, does not count it)."""
     shutdown_timeout_s: float = 10.0
     """Grace period for workers to exit before they are terminated, then killed."""
     call_timeout_s: float = 60.0

@@ -657,9 +657,18 @@ class Supervisor:
     async def _monitor_loop(self) -> None:
         """Hung workers (missed heartbeats) are killed; the exit path handles the rest."""
         interval = self.config.heartbeat_interval_s
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            held, tick = now - tick - interval, now
+            if held > interval:
+                # This process was stopped (SIGSTOP, a suspended job, a frozen cgroup) or its loop
+                # held up: the heartbeats sent meanwhile are not read yet. Silence counts only
+                # while the supervisor could listen, so that healthy workers are not killed for it.
+                for handle in self.workers.values():
+                    handle.last_heartbeat = min(now, handle.last_heartbeat + held)
+                self._stall_seen.clear()  # nor are requests stalled for it: progress is judged afresh
             self._tasks = [t for t in self._tasks if not t.done()]
             for handle in list(self.workers.values()):
                 if handle.proc.pidfd is None and not handle.proc.alive():

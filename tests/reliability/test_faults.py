@@ -723,3 +723,36 @@ def test_ctrl_c_to_the_process_group_leaves_nothing_behind(case, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_keeps_its_healthy_workers(tmp_path):
+    # Stopped (SIGSTOP, a suspended job), the supervisor read no heartbeat meanwhile; once
+    # continued, it took its healthy workers for hung and killed them all. Silence now counts
+    # only while it could listen.
+    script = tmp_path / "stopped.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio, os, subprocess
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.engines.echo import echo_tokens
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            config = FleetConfig(engine="echo", num_workers=2, heartbeat_timeout_s=5.0,
+                                 engine_options={"tokens_per_s": 200})
+            async with Supervisor(config) as sup:
+                pids = [h.pid for h in sup.slots.values()]
+                prompts = [[9, 9, i + 1] for i in range(4)]
+                batch = asyncio.ensure_future(sup.client().generate_batch(prompts, SamplingParams(max_tokens=2000)))
+                await asyncio.sleep(1.0)
+                me = os.getpid()
+                subprocess.Popen(["sh", "-c", f"kill -STOP {me}; sleep 8; kill -CONT {me}"])
+                results = await batch  # stopped meanwhile for 8 s
+                assert [r.token_ids for r in results] == [echo_tokens(p, 2000) for p in prompts]
+                assert [h.pid for h in sup.slots.values()] == pids, "workers were restarted"
+                assert sum(r.num_preemptions for r in results) == 0
+                print("kept", flush=True)
+
+        asyncio.run(main())
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "kept", out.stderr[-3000:]
