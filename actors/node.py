@@ -52,7 +52,8 @@ from ..cli import log_level
 from ..engines import check_engine_options
 from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
-from .process import WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs
+from .process import (WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs,
+                      sweep_stale_segments)
 
 __all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "add_arguments", "run", "DEFAULT_PREFIX"]
 
@@ -255,6 +256,7 @@ class NodeAgent:
         # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
         claim_private_dir(self.private_dir)
         sweep_private_dirs(os.path.dirname(self.private_dir))
+        sweep_stale_segments()
         with self._lock:
             for i in range(self.num_workers):
                 self._spawn(i)

@@ -22,7 +22,7 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
-           "claim_private_dir", "sweep_private_dirs", "remove_private_dir", "remove_with", "unlink_if_same",
+           "claim_private_dir", "sweep_private_dirs", "sweep_stale_segments", "remove_private_dir", "remove_with", "unlink_if_same",
            "sampling_seed"]
 
 logger = logging.getLogger(__name__)
@@ -268,6 +268,18 @@ def sweep_private_dirs(root: str, prefix: str = "rollfleet-") -> list[str]:
     if removed:
         logger.warning("removed %d private directories left by dead supervisors or node agents: %s", len(removed), ", ".join(removed))
     return removed
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink the shm transport's segments whose creator is gone: a supervisor killed with its
+    workers during a weight update (its process group sent SIGKILL) left them, as nobody was
+    left to unlink them; until this, only the next shm update swept them."""
+    from ..weights.shm_names import sweep_stale
+
+    gone = sweep_stale()
+    if gone:
+        logger.warning("unlinked %d shared-memory segments left by dead processes: %s", len(gone), ", ".join(gone))
+    return gone
 
 
 def _unclaimed(path: str) -> bool:

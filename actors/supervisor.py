@@ -85,6 +85,7 @@ from .process import (
     remove_with,
     sampling_seed,
     sweep_private_dirs,
+    sweep_stale_segments,
     sweep_shm_lists,
     unlink_if_same,
     unlink_shm,
@@ -269,6 +270,7 @@ class Supervisor:
             self._leftovers.private_dir = self.private_dir
             claim_private_dir(self.private_dir)
             sweep_private_dirs(os.path.dirname(self.private_dir))
+            sweep_stale_segments()
             self._ctx = self._leftovers.ctx = zmq.Context()
             opts = SocketOptions(max_message_bytes=cfg.max_message_bytes)
             self.worker_address = cfg.worker_addr or f"ipc://{self.private_dir}/workers.sock"

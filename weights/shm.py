@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import secrets
 import threading
 
@@ -35,24 +34,11 @@ import psutil
 import torch
 
 from . import remote
+from .shm_names import PREFIX, SHM_DIR, list_segments, new_name, pid_alive, sweep_stale, unlink
+from .shm_names import path_of as _path
 
 __all__ = ["ShmChannel", "Segments", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments",
            "sweep_stale", "pid_alive", "release_kept"]
-
-SHM_DIR = "/dev/shm"
-PREFIX = "rf-"
-_NAME = re.compile(r"^rf-(\d+)-[0-9a-f]{16}-\d+$")
-
-
-def new_name(buffer: int, token: str | None = None) -> str:
-    return f"{PREFIX}{os.getpid()}-{token or secrets.token_hex(8)}-{buffer}"
-
-
-def _path(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"not a rollfleet shared-memory name: {name!r}")
-    return os.path.join(SHM_DIR, name)
-
 
 def create(name: str, size: int) -> torch.Tensor:
     """Create a segment of ``size`` bytes and map it as a uint8 tensor.
@@ -96,53 +82,6 @@ def _map(fd: int, size: int) -> torch.Tensor:
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-def unlink(name: str) -> bool:
-    """Remove a segment's name (mappings stay valid). False if it was already gone."""
-    try:
-        os.unlink(_path(name))
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def list_segments(pid: int | None = None) -> list[str]:
-    """rollfleet segments in /dev/shm, optionally only those created by ``pid``."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in names:
-        m = _NAME.match(name)
-        if m and (pid is None or int(m.group(1)) == pid):
-            out.append(name)
-    return sorted(out)
-
-
-def pid_alive(pid: int, start_time: float | None = None) -> bool:
-    """Whether ``pid`` runs and, when ``start_time`` is given, is the same process (not a
-    recycled pid). Zombies count as dead."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return start_time is None or abs(proc.create_time() - start_time) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:  # another user's process: it exists
-        return True
-
-
-def sweep_stale() -> list[str]:
-    """Unlink segments whose creator process is gone; returns their names."""
-    removed = []
-    for name in list_segments():
-        pid = int(_NAME.match(name).group(1))  # type: ignore[union-attr]
-        if not pid_alive(pid) and unlink(name):
-            removed.append(name)
-    return removed
 
 
 class Segments:

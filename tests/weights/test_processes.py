@@ -98,3 +98,32 @@ def test_sweep_removes_segments_of_dead_creators(procs, addr):
     assert leftovers  # nobody alive could unlink them
     removed = shm.sweep_stale()
     assert set(leftovers) <= set(removed) and shm.list_segments(sender.pid) == []
+
+
+def test_segments_of_a_sender_killed_with_its_receivers_go_when_the_next_fleet_starts(procs, addr, tmp_path):
+    # Killed together (a process group sent SIGKILL), sender and receivers leave the segments
+    # named; only the next shm update swept them, so a fleet that never made one (serve, a
+    # colocated fleet, cuda_ipc) kept them, hundreds of MiB, until the machine restarted.
+    import asyncio
+
+    from rollfleet.actors import FleetConfig, Supervisor
+
+    sender, worker = start_slow_transfer(procs, addr, "descriptor")
+    os.kill(worker.pid, signal.SIGKILL)
+    os.kill(sender.pid, signal.SIGKILL)
+    sender.wait()
+    worker.wait()
+    leftovers = shm.list_segments(sender.pid)
+    assert leftovers
+    mine = shm.Segments(4096, 1)  # a live creator's: kept
+
+    async def start_and_stop():
+        async with Supervisor(FleetConfig(engine="echo", private_dir_root=str(tmp_path))):
+            pass
+
+    try:
+        asyncio.run(start_and_stop())
+        assert shm.list_segments(sender.pid) == []
+        assert set(mine.names) <= set(shm.list_segments(os.getpid()))
+    finally:
+        mine.unlink_names()
