@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
                         help="echo only: tokens per second per request (default: as fast as possible).")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
-                        help="Once the fleet is ready, write the bound client address to PATH (removed on "
-                             "exit; if serve is killed outright, by its workers as they exit). The address is "
+                        help="Once the fleet is ready, write the bound client address to PATH (removed as "
+                             "serve starts to shut down; if serve is killed outright, by its workers as they exit). The address is "
                              "also printed as 'rollfleet serving on ADDR'.")
     parser.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                         help="How long each worker may take to start its engine (default 120; inf: no "
@@ -357,6 +357,9 @@ async def serve(args: argparse.Namespace) -> int:
         logger.info("signal received; shutting down")
         return 0
     finally:
+        if wrote_ready:  # first: it says the fleet serves, and a kill during the shutdown would leave it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.ready_file)
         if fleet is not None:
             await fleet.shutdown()
         if publication is not None and publication.admitted:
@@ -366,11 +369,6 @@ async def serve(args: argparse.Namespace) -> int:
         del store
         for sig in signals:
             loop.remove_signal_handler(sig)
-        if wrote_ready:
-            try:
-                os.unlink(args.ready_file)
-            except FileNotFoundError:
-                pass
         _remove_dir(model_dir)
 
 
