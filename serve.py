@@ -113,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests resume (more than 1, the interval of its heartbeats; default 30).")
     parser.add_argument("--call-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                         help="How long the fleet waits for a worker to carry out a control call (sleep, "
-                             "wake_up, a weight update's steps) before it gives up on that worker (default "
-                             "60). Raise it for engines slow to sleep or wake up.")
+                             "wake_up, pause, resume, clear_kv_cache, profiling) before it answers timeout "
+                             "(default 60; a weight update's steps have their own 120 s). Raise it for "
+                             "engines slow to sleep or wake up.")
     parser.add_argument("--max-inflight-per-client", type=at_least(1), default=100_000, metavar="N",
                         help="Requests one client connection may have in flight; more are refused with "
                              "overloaded (PROTOCOL.md) (default 100000).")
