@@ -8,6 +8,7 @@ private directory removed) and the command exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import contextlib
 import json
@@ -29,8 +30,12 @@ ENGINES = ("echo", "torch", "vllm", "sglang")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``rollfleet serve`` to ``parser``."""
-    from .actors.config import REPORT_INTERVAL_S
+    from .actors.config import HEARTBEAT_INTERVAL_S, REPORT_INTERVAL_S, FleetConfig, RestartPolicy
     from .cli import at_least, positive_float  # numbers refused by the parser, naming the flag
+    from .weights.config import WeightSyncConfig
+
+    fleet = {f.name: f.default for f in dataclasses.fields(FleetConfig)}  # the defaults, said once
+    restart = RestartPolicy()
 
     parser.description = (
         "Start a fleet of engine workers and serve its client-facing ZeroMQ ROUTER socket "
@@ -104,21 +109,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Serve Prometheus metrics on 127.0.0.1:PORT (0: a free port), printed as "
                              "'rollfleet metrics on URL' before the client address; needs prometheus-client "
                              "(pip install 'rollfleet[metrics]'). Default: off.")
-    parser.add_argument("--max-restarts", type=at_least(0), default=5, metavar="N",
-                        help="Restarts of one worker within 5 minutes, each after a delay that doubles from "
-                             "0.5 s up to 10 s, before a worker that dies again stays dead and its requests "
-                             "go to the others (default 5; 0: a worker that dies stays dead).")
-    parser.add_argument("--heartbeat-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+    parser.add_argument("--max-restarts", type=at_least(0), default=restart.max_restarts, metavar="N",
+                        help=f"Restarts of one worker within {restart.window_s / 60:g} minutes, each after a delay "
+                             f"that doubles from {restart.backoff_s:g} s up to {restart.max_backoff_s:g} s, before a "
+                             "worker that dies again stays dead and its requests go to the others (default "
+                             "%(default)s; 0: a worker that dies stays dead).")
+    parser.add_argument("--heartbeat-timeout", type=positive_float, default=fleet["heartbeat_timeout_s"],
+                        metavar="SECONDS",
                         help="A worker silent this long is taken as hung: it is killed and restarted and its "
-                             "requests resume (more than 1, the interval of its heartbeats; default 30).")
-    parser.add_argument("--call-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                             f"requests resume (more than {HEARTBEAT_INTERVAL_S:g}, the interval of its heartbeats; "
+                             f"default {fleet['heartbeat_timeout_s']:g}).")
+    parser.add_argument("--call-timeout", type=positive_float, default=fleet["call_timeout_s"], metavar="SECONDS",
                         help="How long the fleet waits for a worker to carry out a control call (sleep, "
                              "wake_up, pause, resume, clear_kv_cache, profiling) before it answers timeout "
-                             "(default 60; a weight update's steps have their own 120 s). Raise it for "
-                             "engines slow to sleep or wake up.")
-    parser.add_argument("--max-inflight-per-client", type=at_least(1), default=100_000, metavar="N",
+                             f"(default {fleet['call_timeout_s']:g}; a weight update's steps have their own "
+                             f"{WeightSyncConfig().timeout_s:g} s). Raise it for engines slow to sleep or wake up.")
+    parser.add_argument("--max-inflight-per-client", type=at_least(1), default=fleet["max_inflight_per_client"],
+                        metavar="N",
                         help="Requests one client connection may have in flight; more are refused with "
-                             "overloaded (PROTOCOL.md) (default 100000).")
+                             "overloaded (PROTOCOL.md) (default %(default)s).")
     parser.add_argument("--max-client-message-bytes", type=at_least(1024, 1 << 30), default=64 << 20, metavar="N",
                         help="Largest message header (its first frame) a client may send; a larger one is "
                              "answered too_large (at least 1024, at most 1073741824 = 1 GiB, the socket's "
