@@ -8,6 +8,9 @@ see which weights produced which tokens; a tensor named ``fail`` makes the load 
 one loads, so that an update can hold the name).
 Prompts are checked as a model's would be (``vocab_size``, 32000): an empty one, or one
 with an id outside the vocabulary, is refused (InvalidRequest, wire code bad_field).
+``max_model_len`` (default 1048576) is its context, as a model's: a prompt of that many
+tokens or more is refused the same way, and a request stops (finish reason ``length``) when
+prompt and output reach it, whatever its ``max_tokens``, as vLLM's and the torch engine's do.
 
 Capacity, to stand in for a real engine in scaling runs:
 
@@ -47,6 +50,8 @@ __all__ = ["EchoEngine", "EngineDead", "echo_next_token", "echo_tokens"]
 # Enum member values are properties: read them once, not per token.
 _STOP, _LENGTH, _ABORT = FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.ABORT.value
 
+DEFAULT_MAX_MODEL_LEN = 1 << 20  # a long-context model's; bounds what one request makes the fleet hold
+
 
 def echo_next_token(last_token: int, length: int, vocab_size: int, offset: int = 0) -> int:
     """The token that follows a sequence whose last token and length are given."""
@@ -79,6 +84,7 @@ class EchoEngine(Engine):
         self.stall_after = _opt_int(self.options.get("stall_after"))
         self.max_running = int(self.options.get("max_running") or 0)
         self.step_tokens = max(1, int(self.options.get("step_tokens") or 1))
+        self.max_model_len = int(self.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self._free = self.max_running  # slots left when max_running is set
         self._waiting: dict[str, asyncio.Future[bool]] = {}  # arrival order; True: slot granted
         self.offset = 0
@@ -106,7 +112,7 @@ class EchoEngine(Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        check_prompt(request_id, prompt_ids, max_len=1 << 62, vocab_size=self.vocab_size)  # no context limit
+        check_prompt(request_id, prompt_ids, max_len=self.max_model_len, vocab_size=self.vocab_size)
         self.num_requests += 1
         self._running.add(request_id)
         slot = False
@@ -116,7 +122,9 @@ class EchoEngine(Engine):
                 if not slot:  # aborted while waiting
                     yield EngineOutput([], [] if params.logprobs else None, _ABORT)
                     return
-            if params.max_tokens == 0:
+            # The context ends the request where max_tokens would not (check_prompt left room for one).
+            max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+            if max_tokens == 0:
                 yield EngineOutput([], [] if params.logprobs else None, _LENGTH)
                 return
             last = prompt_ids[-1] if prompt_ids else 0
@@ -132,7 +140,7 @@ class EchoEngine(Engine):
             if self.eos_token_id is not None and not params.ignore_eos:
                 stop.add(int(self.eos_token_id))
             made: list[int] = []  # tokens of the current step, not yet yielded
-            for i in range(params.max_tokens):
+            for i in range(max_tokens):
                 if i % step == 0 and made:
                     yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, None)
                     made = []
@@ -159,7 +167,7 @@ class EchoEngine(Engine):
                 finish = None
                 if token in stop:
                     finish = _STOP
-                elif i == params.max_tokens - 1:
+                elif i == max_tokens - 1:
                     finish = _LENGTH
                 if finish:
                     yield EngineOutput(made, [-1.0] * len(made) if params.logprobs else None, finish)

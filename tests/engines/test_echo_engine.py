@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
-from rollfleet.engines.echo import EchoEngine, echo_tokens
+from rollfleet.engines import check_engine_options
+from rollfleet.engines.echo import DEFAULT_MAX_MODEL_LEN, EchoEngine, echo_tokens
+from rollfleet.errors import InvalidRequest
 from rollfleet.transport.messages import SamplingParams
 
 from ..helpers import wait_for
@@ -140,3 +142,27 @@ async def test_an_abort_while_paused_ends_the_request_at_once_the_others_wait_fo
     await engine.resume()
     tokens, finish = await asyncio.wait_for(held, 5)
     assert finish == "length" and tokens == echo_tokens([5], 30)
+
+
+@pytest.mark.parametrize("step", [1, 4])
+async def test_max_model_len_ends_a_request_at_the_context_whatever_its_max_tokens(step):
+    engine = EchoEngine({"max_model_len": 10, "step_tokens": step})
+    await engine.start()
+    # 2**62 tokens asked: the context (10) ends it, as a model's would, with finish reason length.
+    assert await collect(engine, "long", [5, 6, 7], 1 << 62) == (echo_tokens([5, 6, 7], 7), "length")
+    # A resumed request (prompt + its partial output) ends at the same place.
+    first = echo_tokens([5, 6, 7], 3)
+    assert await collect(engine, "resumed", [5, 6, 7, *first], 1 << 62) == (echo_tokens([5, 6, 7], 7)[3:], "length")
+    # max_tokens below the room left still rules.
+    assert await collect(engine, "short", [5, 6, 7], 2) == (echo_tokens([5, 6, 7], 2), "length")
+    with pytest.raises(InvalidRequest, match="fewer than 10") as err:
+        await collect(engine, "full", list(range(1, 11)), 1)
+    assert err.value.code == "bad_field"
+    assert DEFAULT_MAX_MODEL_LEN == EchoEngine().max_model_len == 1 << 20
+
+
+def test_max_model_len_is_checked_before_a_worker_starts():
+    check_engine_options("echo", {"max_model_len": 4096})
+    for bad in (1, 0, -5, 2.5, "4096", True):
+        with pytest.raises(ValueError, match="max_model_len"):
+            check_engine_options("echo", {"max_model_len": bad})
