@@ -79,7 +79,10 @@ class MetricsExporter:
         # A registry of our own: several fleets in one process must not collide in the global one.
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # say which of the fleet's ports it was
+            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
         self.port = int(self._server.server_port)
         self.address = f"http://{host}:{self.port}/metrics"
         logger.info("prometheus metrics at %s", self.address)
@@ -109,7 +112,7 @@ class MetricsExporter:
         version = GaugeMetricFamily("rollfleet_worker_weight_version", "Weight version the worker holds",
                                     labels=labels)
         restarts = CounterMetricFamily("rollfleet_worker_restarts", "Restarts of the worker slot", labels=labels)
-        info = InfoMetricFamily("rollfleet_worker", "Identity and last error of the worker",
+        info = InfoMetricFamily("rollfleet_worker", "Identity (process, host) and last error of the worker",
                                 labels=labels)
         for w in workers:
             key = [str(w.get("index", "")), str(w.get("device", ""))]
@@ -122,7 +125,7 @@ class MetricsExporter:
             version.add_metric(key, float(w.get("weight_version", 0)))
             restarts.add_metric(key, float(w.get("restarts", 0)))
             info.add_metric(key, {"worker_id": str(w.get("worker_id", "")), "pid": str(w.get("pid", "")),
-                                  "last_error": str(w.get("last_error", ""))[:200]})
+                                  "host": str(w.get("host", "")), "last_error": str(w.get("last_error", ""))[:200]})
         yield from (up, state, inflight, tokens, version, restarts, info)
         if not fleet:
             return

@@ -331,7 +331,7 @@ class NodeAgent:
                 "private_dir": self.private_dir,
                 "weight_version": 0,  # the supervisor brings it to the fleet's version
                 "curve_client_keys": [k.decode() for k in (*self._keys, router["server_key"].encode())],
-                "log_level": logging.getLevelName(logging.getLogger("rollfleet").getEffectiveLevel()),
+                "log_level": logging.getLogger("rollfleet").getEffectiveLevel(),  # a number: 5 has no name
             },
             env,
             os.path.join(self.private_dir, f"w{index}.log"),

@@ -364,7 +364,7 @@ class Supervisor:
                     if self._worker_keys and self._server_keys and self.worker_address.startswith("tcp://")
                     else None
                 ),
-                "log_level": logging.getLevelName(logging.getLogger("rollfleet").getEffectiveLevel()),
+                "log_level": logging.getLogger("rollfleet").getEffectiveLevel(),  # a number: 5 has no name
             },
             env,
             os.path.join(self.private_dir, f"{worker_id}.log"),

@@ -715,8 +715,12 @@ def _on_sigterm(config: dict[str, Any], name: str = "SIGTERM") -> None:
 
 def main() -> None:
     config = json.loads(os.environ[CONFIG_ENV])
+    level = config.get("log_level", logging.WARNING)
+    if not isinstance(level, int):  # a level's name; one logging does not know must not stop the worker
+        level = logging.getLevelName(str(level).upper())
+        level = level if isinstance(level, int) else logging.WARNING
     logging.basicConfig(
-        level=config.get("log_level", "WARNING"),
+        level=level,
         format=f"%(asctime)s %(levelname)s worker {config['worker_id']} %(name)s: %(message)s",
     )
     _watch_parent(config)

@@ -90,6 +90,15 @@ def test_log_level_takes_any_case_and_numbers():
         assert "given them: --keys-dir DIR)" in out.stderr and "curve_keys" not in out.stderr, out.stderr
 
 
+def test_a_numeric_log_level_without_a_name_reaches_the_workers():
+    # 15 and 5 have no name ('Level 15'): the workers must still start, at that level.
+    for level in ("15", "5"):
+        out = run("--log-level", level, "demo", "--engine", "echo", "--workers", "1", "--requests", "2",
+                  "--max-tokens", "4", "--no-update")
+        assert out.returncode == 0, out.stderr
+        assert "fleet shut down cleanly" in out.stdout
+
+
 def test_keys_where_none_can_be_written_is_one_line_exit_1(tmp_path):
     a_file = tmp_path / "afile"
     a_file.write_text("x")
@@ -102,6 +111,7 @@ def test_keys_where_none_can_be_written_is_one_line_exit_1(tmp_path):
 def test_stats_with_missing_keys_is_one_line_exit_1():
     out = run("stats", "tcp://127.0.0.1:1", "--timeout", "0.2", "--keys-dir", "/nonexistent")
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert "keys directory /nonexistent is not a directory: `rollfleet keys DIR` makes one" in out.stderr
 
 
 @contextlib.contextmanager

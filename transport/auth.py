@@ -90,8 +90,16 @@ def make_keys(directory: str, *, overwrite: bool = False) -> dict[str, str]:
             "authorized": authorized}
 
 
+def _load(directory: str, name: str) -> tuple[bytes, bytes | None]:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        where = "is not a directory" if not os.path.isdir(directory) else f"holds no {name}"
+        raise FileNotFoundError(f"keys directory {directory} {where}: `rollfleet keys DIR` makes one")
+    return zmq.auth.load_certificate(path)
+
+
 def load_server_keys(directory: str) -> tuple[bytes, bytes]:
-    public, secret = zmq.auth.load_certificate(os.path.join(directory, "server.key_secret"))
+    public, secret = _load(directory, "server.key_secret")
     if secret is None:
         raise ValueError(f"{directory}/server.key_secret holds no secret key")
     return public, secret
@@ -99,8 +107,8 @@ def load_server_keys(directory: str) -> tuple[bytes, bytes]:
 
 def load_client_keys(directory: str) -> tuple[bytes, bytes, bytes]:
     """(client public, client secret, server public), as RemoteClient's curve_keys wants."""
-    public, secret = zmq.auth.load_certificate(os.path.join(directory, "client.key_secret"))
-    server_public, _ = zmq.auth.load_certificate(os.path.join(directory, "server.key"))
+    public, secret = _load(directory, "client.key_secret")
+    server_public, _ = _load(directory, "server.key")
     if secret is None:
         raise ValueError(f"{directory}/client.key_secret holds no secret key")
     return public, secret, server_public

@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -133,6 +134,7 @@ async def test_prometheus_endpoint_exports_per_worker_and_fleet_metrics():
         info = [k for k in samples if k[0] == "rollfleet_worker_info" and ("worker", "0") in k[1]]
         assert len(info) == 1 and any(lbl == "last_error" and "code -9" in v for lbl, v in info[0][1])
         assert any(lbl == "pid" and v == str(sup.slots[0].pid) for lbl, v in info[0][1])
+        assert ("host", socket.gethostname()) in info[0][1]
         assert value(samples, "rollfleet_sleep_level") == 0.0
         await client.sleep(2)
         deadline = time.monotonic() + 5
@@ -151,6 +153,19 @@ async def test_a_scrape_right_after_start_already_shows_the_workers():
         assert value(samples, "rollfleet_workers_ready") == 2.0
         for w in ("0", "1"):
             assert value(samples, "rollfleet_worker_up", worker=w, device="cpu") == 1.0
+
+
+async def test_a_metrics_port_in_use_fails_the_start_naming_that_port():
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sup = fleet(1, metrics_port=port)
+        with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port}"):
+            async with sup:
+                pass
+    assert not os.path.exists(sup.private_dir)
 
 
 def test_log_limiter_logs_a_burst_then_one_count_per_interval(caplog):
