@@ -321,7 +321,8 @@ class Runner:
         from ..weights.remote import RemoteTensor, read_into  # here: the weights package is not needed to start
 
         params = self.model.state_dict(keep_vars=True)
-        pairs = list(weights)
+        # A name given twice: the last one wins (the reads in place below run after the copies).
+        pairs = list({name: (name, tensor) for name, tensor in weights}.values())
         unknown, bad = [], []
         for name, tensor in pairs:
             target = params.get(name)

@@ -494,8 +494,16 @@ class WeightReceiver:
                     await result
             else:
                 buf = up.buffers[msg.buffer]
-                pairs = up.assembler.add(buf, entries) if entries else []
-                pairs += views
+                if not views:
+                    pairs = up.assembler.add(buf, entries) if entries else []
+                else:  # in the bucket's order: of a name given twice, the engine must load the last
+                    placed = iter(views)
+                    pairs = []
+                    for e in msg.tensors:
+                        if is_in_place(e):
+                            pairs.append(next(placed))
+                        else:
+                            pairs += up.assembler.add(buf, [e])
                 num = len(pairs)
                 if up.lora is not None:
                     # Views of a buffer the sender reuses: keep copies until the adapter is loaded.

@@ -295,6 +295,70 @@ async def test_torch_fleet_reads_the_trainers_tensors_in_place_and_decodes_with_
         assert result.token_ids == want.tolist() and result.weight_versions == [3]
 
 
+class InOrderRemoteEngine(StoreEngine):
+    """Takes RemoteTensor values and applies every pair in the order given, as a real engine
+    copying each into its parameter does: of a name given twice, the last one stays."""
+
+    name = "in-order-remote"
+    accepts_remote_tensors = True
+
+    async def load_weights(self, weights) -> None:
+        from rollfleet.weights.remote import RemoteTensor
+
+        self.order = getattr(self, "order", [])
+        for name, tensor in weights:
+            if isinstance(tensor, RemoteTensor):
+                dst = torch.empty(tensor.shape, dtype=tensor.dtype)
+                tensor.copy_into(dst)
+            else:
+                dst = tensor.clone()
+            self.weights[name] = dst
+            self.order.append((name, isinstance(tensor, RemoteTensor)))
+        self.num_loads += 1
+
+
+@pytest.mark.parametrize("first_in_place", [True, False])
+async def test_a_name_given_twice_once_in_place_once_through_a_segment_loads_the_last_one(first_in_place):
+    g = torch.Generator().manual_seed(3)
+    contiguous = torch.randn(600, 1000, generator=g)  # 2.3 MiB: read in place
+    transposed = torch.randn(1000, 600, generator=g).t()  # the same shape, not contiguous: through the segment
+    pairs = [("w", contiguous), ("w", transposed)] if first_in_place else [("w", transposed), ("w", contiguous)]
+    link = local("a", InOrderRemoteEngine())
+    report = await WeightSender(WeightSyncConfig(transport="shm", bucket_bytes=64 * MIB)).update(iter(pairs), 1, [link])
+    engine = link.receiver.engine
+    assert report.ok and report.in_place_bytes == contiguous.numel() * 4
+    assert engine.order == [("w", first_in_place), ("w", not first_in_place)]  # the bucket's order
+    assert torch.equal(engine.weights["w"], pairs[-1][1])
+
+
+async def test_torch_fleet_loads_the_last_of_a_name_given_twice_when_the_first_was_read_in_place(wide_model):
+    import transformers
+
+    from rollfleet.actors.config import FleetConfig
+    from rollfleet.actors.supervisor import Supervisor
+    from rollfleet.transport.messages import SamplingParams
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(wide_model, dtype=torch.float32).eval()
+    prompt = [1, 5, 9, 33]
+    old = {k: v.clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    hf.load_state_dict(new)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    # Every name twice: first the old tensor (the big ones read in place), then the new one, the
+    # matrices as non-contiguous views (through the segments). The new ones must win.
+    views = [(k, v.t().contiguous().t() if v.dim() == 2 else v) for k, v in new.items()]
+    assert sum(not t.is_contiguous() and t.numel() * 4 >= MIB for _, t in views) >= 2
+    cfg = FleetConfig(engine="torch", num_workers=1, engine_options={"model": wide_model})
+    async with Supervisor(cfg) as sup:
+        report = await sup.update_weights([*old.items(), *views], 1)
+        assert report.ok and report.in_place_bytes >= 2 * MIB
+        result = await sup.client().generate("r", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        assert result.token_ids == want and result.weight_versions == [1]
+
+
 def anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds ``address``."""
     inside = False
