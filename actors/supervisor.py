@@ -1362,8 +1362,8 @@ class Supervisor:
         apart by it.
 
         Raises WeightUpdateError naming the cause and, when a worker failed, the worker; what
-        ``named_tensors`` yields that is not (str, tensor) pairs fails the same way, with no
-        worker named. Generation then resumes on the previous version: a worker that had
+        a generator or callable yields that is not (str, tensor) pairs fails the same way, with
+        no worker named (a list, tuple or mapping is checked whole first: ValueError). Generation then resumes on the previous version: a worker that had
         loaded part of the update is given the last good weights again (from the kept copy,
         ``FleetConfig.keep_last_weights``, or the callable), or, when these cannot cover what
         the update reached (the fleet's first update, a tensor no update sent before, or that
@@ -1372,8 +1372,9 @@ class Supervisor:
         successful update, a worker that served its initial weights for want of a kept copy
         when the update did not send again every tensor earlier ones sent. Also
         raises Unsupported (e.g. LoRA on an engine without it), FleetClosed, and ValueError (a
-        bad version, transport or bucket size, a module given instead of its tensors; before
-        any request is interrupted).
+        bad version, transport or bucket size, a module given instead of its tensors, a list,
+        tuple or mapping holding anything but (str, tensor) pairs; before any request is
+        interrupted).
         """
         self._check_open()
         return await self.weights.update(named_tensors, version, transport=transport, bucket_bytes=bucket_bytes,

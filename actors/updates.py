@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FleetClosed, Unsupported, WeightUpdateError
@@ -93,7 +93,7 @@ class WeightSync:
 
     def _restore(self) -> NamedTensors:
         """What brings a worker from its initial weights to the current version."""
-        from ..weights.bucket import named_pairs
+        from ..weights.bucket import check_pair, named_pairs
 
         kept = dict(self._last or {})
         if self._source is None:
@@ -172,7 +172,7 @@ class WeightSync:
             raise FleetClosed("the fleet is not running")
         if sup.config.mode == "colocated":
             raise Unsupported("a colocated fleet takes no weight updates (mode='colocated')")
-        from ..weights.bucket import named_pairs
+        from ..weights.bucket import check_pair, named_pairs
         from ..weights.sender import check_cuda_here, check_version
 
         # Bad arguments fail here, before any request is interrupted.
@@ -184,6 +184,11 @@ class WeightSync:
             # called with no input (the model's forward pass then fails with its own message).
             raise ValueError(f"update_weights takes (name, tensor) pairs, not a module ({type(named_tensors).__name__}): "
                              "pass model.named_parameters() or model.state_dict()")
+        if isinstance(named_tensors, (list, tuple, Mapping)):
+            # Built already: checked whole here, not as the sender reaches each (a generator's
+            # or a callable's items still fail the update then, interrupted requests resuming).
+            for item in named_pairs(named_tensors):
+                check_pair(item)
         sender = self._sender(transport=transport, bucket_bytes=bucket_bytes)
         check_cuda_here(sender.config)
         await self._wait_for_a_ready_worker()

@@ -14,6 +14,7 @@ import torch
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor
 from rollfleet.errors import ResumeExhausted, WeightUpdateError
 from rollfleet.transport.messages import SamplingParams
+from rollfleet.weights.bucket import named_pairs
 
 from .test_fleet_echo import expected_tokens, wait_for
 
@@ -347,11 +348,23 @@ async def test_update_takes_a_state_dict_and_says_what_is_wrong_with_bad_pairs()
         await client.update_weights(lambda: {"offset": torch.tensor([3])}, version=2)
         r = await client.generate("r", [4], SamplingParams(max_tokens=5))
         assert r.token_ids == expected_tokens([4], 5, offset=3) and r.weight_versions == [2]
-        for bad, what in (([("offset", [3])], "(str, torch.Tensor) pairs, got (str, list)"),
-                          ([("offset",)], "(name, tensor) pairs, got tuple"),
-                          ([torch.tensor([3])], "(name, tensor) pairs, got Tensor")):
-            with pytest.raises(WeightUpdateError, match=re.escape(what)):
+        cases = (([("offset", [3])], "(str, torch.Tensor) pairs, got (str, list)"),
+                 ([("offset",)], "(name, tensor) pairs, got tuple"),
+                 ([torch.tensor([3])], "(name, tensor) pairs, got Tensor"),
+                 ((("offset", torch.tensor([3]), 1),), "(name, tensor) pairs, got tuple"),
+                 ({3: torch.tensor([3])}, "(str, torch.Tensor) pairs, got (int, Tensor)"))
+        # Built (a list, tuple or dict): refused whole before a running request is interrupted.
+        running = asyncio.create_task(client.generate("running", [4], SamplingParams(max_tokens=1 << 40)))
+        assert await wait_for(lambda: len(sup.table) == 1, 10)
+        for bad, what in cases:
+            with pytest.raises(ValueError, match=re.escape(what)):
                 await client.update_weights(bad, version=3)
+        await client.abort("running")  # (or it reached the echo engine's context first)
+        assert (await running).num_preemptions == 0
+        # A generator's items are met as they are sent: they fail the update.
+        for bad, what in cases:
+            with pytest.raises(WeightUpdateError, match=re.escape(what)):
+                await client.update_weights(iter(named_pairs(bad)), version=3)
         assert sup.weight_version == 2
 
 

@@ -36,8 +36,10 @@ async def test_update_with_dtensors_fails_with_the_hint(dtensor):
     from rollfleet.actors import FleetConfig, Supervisor
 
     async with Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr=None)) as fleet:
-        with pytest.raises(WeightUpdateError, match=r"'w' is a DTensor .*full_tensor\(\)"):
+        with pytest.raises(ValueError, match=r"'w' is a DTensor .*full_tensor\(\)"):  # a list: before sending
             await fleet.update_weights([("w", dtensor)], version=1)
+        with pytest.raises(WeightUpdateError, match=r"'w' is a DTensor .*full_tensor\(\)"):  # met as it is sent
+            await fleet.update_weights(iter([("w", dtensor)]), version=1)
         assert fleet.weight_version == 0
         report = await fleet.update_weights([("w", dtensor.full_tensor())], version=1)
         assert report.ok and fleet.weight_version == 1
