@@ -256,6 +256,8 @@ class Supervisor:
         does not register within ``start_timeout_s``; the fleet is then shut down.
         """
         if self._started:
+            if self.closed:
+                raise FleetClosed("this Supervisor was shut down, and one starts only once: make a new one")
             raise RuntimeError("supervisor already started")
         self._started = True
         self._loop = asyncio.get_running_loop()

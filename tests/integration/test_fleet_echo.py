@@ -59,6 +59,9 @@ async def test_spawn_register_shutdown_leaves_no_process_or_socket_file():
         with pytest.raises(FleetClosed):
             await call()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    with pytest.raises(FleetClosed, match="starts only once: make a new one"):
+        async with sup:
+            pass
 
 
 async def test_worker_that_fails_to_start_raises_with_its_output():
