@@ -1365,7 +1365,8 @@ class Supervisor:
 
         Raises WeightUpdateError naming the cause and, when a worker failed, the worker; what
         a generator or callable yields that is not (str, tensor) pairs fails the same way, with
-        no worker named (a list, tuple or mapping is checked whole first: ValueError). Generation then resumes on the previous version: a worker that had
+        no worker named (a list, tuple or mapping is checked whole first: ValueError).
+        Generation then resumes on the previous version: a worker that had
         loaded part of the update is given the last good weights again (from the kept copy,
         ``FleetConfig.keep_last_weights``, or the callable), or, when these cannot cover what
         the update reached (the fleet's first update, a tensor no update sent before, or that

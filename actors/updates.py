@@ -93,7 +93,7 @@ class WeightSync:
 
     def _restore(self) -> NamedTensors:
         """What brings a worker from its initial weights to the current version."""
-        from ..weights.bucket import check_pair, named_pairs
+        from ..weights.bucket import named_pairs
 
         kept = dict(self._last or {})
         if self._source is None:
