@@ -17,7 +17,8 @@ One reload must carry every part of a fused layer (q/k/v, gate/up): a layer that
 only some of its parts is rebuilt with the rest uninitialised (on the CPU vLLM keeps no copy
 of the parts it could fill them from). Buckets that may split a layer are therefore staged
 (copied) and applied together by ``rollfleet_commit``, and a reload that would still leave a
-fused layer part-filled is refused before anything is loaded: the method returns
+fused layer part-filled, or an integer tensor for a model of float weights (vLLM's loaders would
+cast it without a word), is refused before anything is loaded: the method returns
 ``{"refused": why}`` instead of a count (nothing staged is kept), and the model is as it was.
 """
 
@@ -142,7 +143,7 @@ class RollfleetWorkerExtension:
                 return count
             weights = staged + views
             staged.clear()
-            refused = self._rollfleet_refusal([name for name, _ in weights])
+            refused = self._rollfleet_refusal(weights)
             if refused:
                 self._rollfleet_assembler = None
                 return {"refused": refused}
@@ -161,7 +162,7 @@ class RollfleetWorkerExtension:
         staged = self._rollfleet_staged()
         weights = list(staged)
         staged.clear()
-        refused = self._rollfleet_refusal([name for name, _ in weights])
+        refused = self._rollfleet_refusal(weights)
         if refused:
             self._rollfleet_assembler = None
             return {"refused": refused}
@@ -187,9 +188,18 @@ class RollfleetWorkerExtension:
             self._rollfleet_staged_weights = staged
         return staged
 
-    def _rollfleet_refusal(self, names: list[str]) -> str | None:
-        """Why a reload of these names would corrupt the model (None: it would not)."""
-        missing = missing_fused_parts(names, getattr(self._rollfleet_model(), "packed_modules_mapping", None))
+    def _rollfleet_refusal(self, weights: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Why a reload of these tensors would corrupt the model (None: it would not)."""
+        model = self._rollfleet_model()
+        # vLLM's loaders copy an integer tensor into a float parameter without a word (a cast):
+        # refused where every parameter is a float (a quantized model's integer ones are not).
+        ints = [f"{name} ({t.dtype})" for name, t in weights if not t.is_floating_point()]
+        if ints and model is not None and all(p.is_floating_point() for p in model.parameters()):
+            shown = ", ".join(ints[:3]) + (f" and {len(ints) - 3} more" if len(ints) > 3 else "")
+            return (f"load_weights: integer or bool tensors where the model's weights are floats: {shown}; "
+                    "nothing was loaded")
+        names = [name for name, _ in weights]
+        missing = missing_fused_parts(names, getattr(model, "packed_modules_mapping", None))
         if not missing:
             return None
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -376,6 +376,31 @@ async def test_a_fused_layer_sent_in_part_is_refused_whole_and_whole_layers_load
     assert (await collect(engine, "part4", PROMPT, greedy()))[0] == base
 
 
+async def test_an_integer_tensor_for_a_float_model_is_refused_whole_not_cast(engine, hf):
+    # vLLM's loader copied an int32 tensor into the float norm weight (a cast) and said nothing.
+    from rollfleet.engines.base import WeightsRefused
+
+    original = hf.state_dict()
+    base = hf_greedy(hf, PROMPT)
+    new = perturbed(original, seed=4)
+    norm = "model.norm.weight"
+    ints = (norm, torch.full_like(original[norm], 2, dtype=torch.int32))
+    with pytest.raises(WeightsRefused, match=r"integer or bool tensors .*model.norm.weight \(torch.int32\)"):
+        await engine.load_weights([("lm_head.weight", new["lm_head.weight"]), ints])
+    assert not engine.dead
+    assert (await collect(engine, "int1", PROMPT, greedy()))[0] == base  # the lm_head beside it was not loaded
+    # Staged in buckets, then committed: refused at the commit, as a fused layer in part is.
+    seg, entries = write_segment([ints])
+    try:
+        assert await engine.load_weights_from_descriptor({"name": seg, "tensors": entries}, commit=False) == 1
+        with pytest.raises(WeightsRefused, match="integer"):
+            await engine.commit_weights()
+    finally:
+        os.unlink(os.path.join("/dev/shm", seg))
+    assert not engine.dead
+    assert (await collect(engine, "int2", PROMPT, greedy()))[0] == base
+
+
 async def test_failed_reload_is_fatal_and_shutdown_leaves_nothing(engine, private_dir, tmp_sockets_before):
     import psutil
 
