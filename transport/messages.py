@@ -136,8 +136,10 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 (or -1) means no limit."""
     seed: int | None = None
-    """Per-request seed for reproducible sampling. A resumed request draws again from its seed at
-    the resume point. Without one, each worker of a fleet draws from a source of its own."""
+    """Per-request seed for reproducible sampling. A resumed request goes on with a seed derived
+    from this one and the number of tokens it had (``actors.supervisor.resume_seed``), so after the
+    point where it was interrupted it differs from an uninterrupted run (PROTOCOL.md 4.1). Without
+    one, each worker of a fleet draws from a source of its own."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation stops after any of these tokens (the token is included)."""
     ignore_eos: bool = False
