@@ -15,12 +15,12 @@ Requests: ``--requests`` prompts of 8 to 32 tokens (seeded), greedy, ``ignore_eo
 machine's load hits both alike; a path's tokens/s is the median over rounds. The tokens
 each path returns are compared too: greedy decoding must give the same tokens either way.
 
-    python bench/bench_engines.py --quick --json bench/out/bench_engines.json   # 1-2 minutes on 2 cores
+    python bench/bench_engines.py --quick --json bench/out/bench_engines.json   # 1-3 minutes on 2 cores
     python bench/bench_engines.py --json bench/out/bench_engines.json
     python bench/bench_engines.py --engines torch --quick                        # no vLLM
 
 More than half of a ``--quick`` run on 2 cores is vLLM starting up (the direct engine and the
-fleet's worker start at the same time: about 30 s).
+fleet's worker start at the same time: 30 s on a quiet machine, 1-2 minutes on a busy one).
 
 Without ``--engines``, vLLM is measured when it can be imported: if ``import vllm`` fails (checked
 in a child process, so this one is not changed by it), the script says so, measures torch alone,

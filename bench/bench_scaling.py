@@ -54,9 +54,10 @@ Weight transfer: ``update_weights`` with the same tensors (``--weights-mb``, bf1
 echo workers; the echo engine accepts any tensor, so this times the transport (bucketing, shm,
 the workers' acknowledgements), not a model's copy. ``keep_last_weights`` is off so that the
 supervisor's CPU copy for restarted workers is not timed. Each receiver count and a plain
-memcpy of the same bytes are timed in turns after a warm-up; the best of 6 (full: 9) counts.
+memcpy of the same bytes (at one thread and at torch's default thread count, as bench_weights.py
+times it) are timed in turns after a warm-up; the best of 6 (full: 9) of each counts.
 
-    python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # 1-2 min on 2 cores
+    python bench/bench_scaling.py --quick --json bench/out/bench_scaling.json   # 1-3 min on 2 cores
     python bench/bench_scaling.py --json bench/out/bench_scaling.json           # a few minutes
 
 Rates and CPU: every req/s figure is the median of the rounds' rates (each round: its calls / its
@@ -86,7 +87,7 @@ request, all rounds: see above), ``loop_ceiling_rps_{n}w`` (what the loop could 
 ``batch_loop_us_per_req_{n}w``, ``batch_bottleneck_{n}w`` (the generate_batch floods),
 ``batch_loop_cpu_max``; ``gbps_{k}w`` (model bytes per second of update),
 ``update_s_{k}w``, ``weights_supervisor_cpu_{k}w``, ``weights_workers_cpu_{k}w``,
-``memcpy_gbps`` (one copy of the same bytes, for scale), ``rps_scaling_max`` (rps at the
+``memcpy_gbps`` (the best copy of the same bytes, at one thread or torch's default, for scale), ``rps_scaling_max`` (rps at the
 largest fleet / rps at the smallest: one worker unless ``--workers`` leaves it out),
 ``p99_scaling_max`` (the same for p99 under load), ``gbps_scaling_max`` (GB/s to the most
 receivers / to the fewest),
@@ -694,11 +695,20 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
         for d, (_, w) in zip(dst, weights):  # warm-up: first touch of the destination pages
             d.copy_(w)
         version = 1
+        threads = torch.get_num_threads()
         for _ in range(sizes["rounds"]):
-            t = time.perf_counter()
-            for d, (_, w) in zip(dst, weights):
-                d.copy_(w)
-            memcpy = max(memcpy, nbytes / (time.perf_counter() - t) / 1e9)
+            # As bench_weights.py's baseline: at one thread and at torch's default, whichever is
+            # faster (on a few shared cores, one thread often copies faster than several).
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                try:
+                    for _ in range(sizes["reps"]):
+                        t = time.perf_counter()
+                        for d, (_, w) in zip(dst, weights):
+                            d.copy_(w)
+                        memcpy = max(memcpy, nbytes / (time.perf_counter() - t) / 1e9)
+                finally:
+                    torch.set_num_threads(threads)
             for k, sup in sups.items():
                 # This process keeps one set of shm segments between updates, mapped by the
                 # receivers of the fleet that used it last: an untimed update hands it to this one.

@@ -6,7 +6,7 @@ the script's own folder first on ``sys.path``, so a plain ``from common import .
 this file whatever the working directory. Scripts started some other way (``runpy``, a
 test importing them) should put ``bench/`` on ``sys.path`` first.
 
-Every script takes ``--quick`` (a short run: 15 s to 2 minutes on a 2-core machine),
+Every script takes ``--quick`` (a short run: 15 s to 3 minutes on a 2-core machine),
 ``--json PATH`` (a flat object of named metrics: numbers, booleans, strings) and
 ``--png PATH`` (defaults to the JSON path with a ``.png`` suffix when ``--json`` is given).
 
@@ -176,7 +176,7 @@ def bench_parser(description: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="Short run (15 s to 2 minutes on a 2-core machine) for smoke tests.")
+                        help="Short run (15 s to 3 minutes on a 2-core machine) for smoke tests.")
     parser.add_argument("--json", metavar="PATH", help="Write a flat JSON object of named metrics here.")
     parser.add_argument("--png", metavar="PATH",
                         help="Write a plot here (default: next to --json, with a .png suffix).")

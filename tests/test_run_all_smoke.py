@@ -171,8 +171,16 @@ def test_report_compares_against_baselines_and_marks_each_machine(tmp_path):
                **HERE, "machine_cores": 16, "machine_gpu": "1x NVIDIA H100 80GB HBM3"}
     (gpu / "bench_weights.json").write_text(json.dumps(weights))
     run_all("--no-run", "--only", "bench_rpc", "bench_weights", "--out", str(out), "--include", str(gpu),
-            "--report", str(report))
+            "--report", str(report), "--json", str(tmp_path / "all.json"))
     text = report.read_text()
+    # --json: every outcome the report shows, with its script's metrics as they were written.
+    combined = json.loads((tmp_path / "all.json").read_text())
+    rows = {(s["name"], s["origin"]): s for s in combined["scripts"]}
+    assert set(rows) == {("bench_rpc", ""), ("bench_weights", ""), ("bench_weights", str(gpu))}
+    assert rows["bench_rpc", ""]["status"] == "ok" and rows["bench_rpc", ""]["metrics"] == rpc
+    assert rows["bench_weights", str(gpu)]["metrics"]["cuda_ipc_vs_d2d"] == 0.8
+    assert rows["bench_weights", ""]["status"] == "not run" and rows["bench_weights", ""]["reason"]
+    assert combined["quick"] is False and combined["machine"]
     # bench_rpc, from this folder: ratio, goal and verdict; Ray absent with the reason.
     assert "| p50 round trip, fleet, 1 worker | 120 us | raw pyzmq+msgpack | 100 us | 1.20x | ratio <= 1.5 | **yes** |" \
         in text
