@@ -1463,10 +1463,12 @@ class Supervisor:
     def _on_client_gone(self, identity: bytes | None, exc: zmq.ZMQError) -> None:
         if identity is None:
             return
-        self._batch_clients.pop(identity, None)
         if exc.errno != zmq.EAGAIN:  # disconnected: its requests run on (PROTOCOL.md 1)
+            self._batch_clients.pop(identity, None)  # a new connection under its name says hello again
             logger.debug("client %s unreachable: %s", identity.hex(), exc)
             return
+        # Connected but not reading: it still takes batches, so what is dropped meanwhile is
+        # dropped (and counted) a frame of up to 32 answers at a time, as PROTOCOL.md 1 says.
         # Connected but not reading: client_send_hwm messages wait for it. Stop making more.
         origin = identity.hex()
         stalled = [e.request_id for e in self.table if e.origin == origin]

@@ -301,6 +301,45 @@ async def test_a_client_that_stops_reading_loses_its_requests_and_others_are_ser
             ctx.term()
 
 
+async def test_a_client_that_said_hello_with_batch_still_gets_batches_after_it_stalled():
+    # Stalling (answers dropped for want of room) is not being gone: the fleet keeps the
+    # client's hello, so what it drops it drops a batch frame at a time, and once the client
+    # reads again its answers come in batches as before.
+    async with fleet(2, client_send_hwm=50, engine_options={"tokens_per_s": 0}) as sup:
+        ctx = zmq.asyncio.Context()
+        slow = ctx.socket(zmq.DEALER)
+        slow.setsockopt(zmq.RCVHWM, 10)
+        slow.setsockopt(zmq.RCVBUF, 4096)
+        slow.connect(sup.frontend_address)
+        try:
+            await slow.send(msgpack.packb({"v": 1, "type": "hello", "id": "h", "batch": True}))
+            assert msgpack.unpackb(await asyncio.wait_for(slow.recv(), 10))["data"]["batch"] is True
+            for i in range(20):
+                await slow.send(msgpack.packb({"v": 1, "type": "generate", "id": f"s{i}", "prompt_ids": [i + 1],
+                                               "sampling": {"max_tokens": 10_000_000}, "stream": True}))
+            assert await wait_for(lambda: sup._drops.counts.get("slow_client", 0) > 0, 30.0)
+            assert await wait_for(lambda: len(sup.table) == 0, 10.0)
+            while await slow.poll(200):  # what was queued before
+                await slow.recv()
+            requests = [{"v": 1, "type": "generate", "id": f"b{i}", "prompt_ids": [i + 1],
+                         "sampling": {"max_tokens": 2}} for i in range(200)]
+            await slow.send(msgpack.packb({"v": 1, "type": "batch", "id": "", "messages": requests}))
+            results, frames = {}, []
+            while len(results) < len(requests):
+                # 200 answers as single frames overflow client_send_hwm (50) and are dropped
+                assert await slow.poll(15_000), f"{len(results)} results came, in frames {frames}"
+                frame = msgpack.unpackb(await slow.recv())
+                frames.append(frame["type"])
+                for m in frame["messages"] if frame["type"] == "batch" else [frame]:
+                    assert m["type"] == "result", m
+                    results[m["id"]] = m["token_ids"]
+            assert results == {f"b{i}": expected_tokens([i + 1], 2) for i in range(200)}
+            assert "batch" in frames, frames  # 200 answers in 200 frames: the hello was forgotten
+        finally:
+            slow.close(linger=0)
+            ctx.term()
+
+
 async def test_a_client_header_over_the_limit_is_refused_without_decoding():
     async with fleet(1, max_client_message_bytes=1 << 20) as sup:
         ctx = zmq.asyncio.Context()
