@@ -1467,9 +1467,9 @@ class Supervisor:
             self._batch_clients.pop(identity, None)  # a new connection under its name says hello again
             logger.debug("client %s unreachable: %s", identity.hex(), exc)
             return
-        # Connected but not reading: it still takes batches, so what is dropped meanwhile is
-        # dropped (and counted) a frame of up to 32 answers at a time, as PROTOCOL.md 1 says.
-        # Connected but not reading: client_send_hwm messages wait for it. Stop making more.
+        # Connected but not reading: client_send_hwm messages wait for it. Stop making more. It
+        # still takes batches, so what is dropped meanwhile goes (and is counted) a frame of up to
+        # 32 answers at a time, as PROTOCOL.md 1 says.
         origin = identity.hex()
         stalled = [e.request_id for e in self.table if e.origin == origin]
         for request_id in stalled:

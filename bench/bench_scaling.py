@@ -87,8 +87,9 @@ request, all rounds: see above), ``loop_ceiling_rps_{n}w`` (what the loop could 
 ``batch_loop_us_per_req_{n}w``, ``batch_bottleneck_{n}w`` (the generate_batch floods),
 ``batch_loop_cpu_max``; ``gbps_{k}w`` (model bytes per second of update),
 ``update_s_{k}w``, ``weights_supervisor_cpu_{k}w``, ``weights_workers_cpu_{k}w``,
-``memcpy_gbps`` (the best copy of the same bytes, at one thread or torch's default, for scale), ``rps_scaling_max`` (rps at the
-largest fleet / rps at the smallest: one worker unless ``--workers`` leaves it out),
+``memcpy_gbps`` (the best copy of the same bytes, at one thread or torch's default, for
+scale), ``rps_scaling_max`` (rps at the largest fleet / rps at the smallest: one worker unless
+``--workers`` leaves it out),
 ``p99_scaling_max`` (the same for p99 under load), ``gbps_scaling_max`` (GB/s to the most
 receivers / to the fewest),
 ``supervisor_loop_cpu_max`` (the busiest loop of the single-call floods ``rps_{n}w`` only),
