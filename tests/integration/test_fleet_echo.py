@@ -267,21 +267,32 @@ async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_othe
         assert len(sup.table) == 0
 
 
+def slow_reader(ctx, address: str):
+    """A raw client whose receive side holds little, so what it does not read backs up to the fleet."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 10)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(address)
+    return sock
+
+
+async def stall(sup, sock) -> None:
+    """Send 20 endless streamed requests and read nothing, until the fleet has cancelled them all."""
+    for i in range(20):
+        await sock.send(msgpack.packb({"v": 1, "type": "generate", "id": f"s{i}", "prompt_ids": [i + 1],
+                                       "sampling": {"max_tokens": 10_000_000}, "stream": True}))
+    assert await wait_for(lambda: sup._drops.counts.get("slow_client", 0) > 0, 30.0)
+    assert await wait_for(lambda: len(sup.table) == 0, 10.0)
+
+
 async def test_a_client_that_stops_reading_loses_its_requests_and_others_are_served():
     # A raw client sends streamed requests and reads nothing: once client_send_hwm messages
     # wait for it, the fleet cancels its requests instead of queueing without end.
     async with fleet(2, client_send_hwm=200, engine_options={"tokens_per_s": 0}) as sup:
         ctx = zmq.asyncio.Context()
-        slow = ctx.socket(zmq.DEALER)
-        slow.setsockopt(zmq.RCVHWM, 10)
-        slow.setsockopt(zmq.RCVBUF, 4096)
-        slow.connect(sup.frontend_address)
+        slow = slow_reader(ctx, sup.frontend_address)
         try:
-            for i in range(20):
-                await slow.send(msgpack.packb({"v": 1, "type": "generate", "id": f"s{i}", "prompt_ids": [i + 1],
-                                               "sampling": {"max_tokens": 10_000_000}, "stream": True}))
-            assert await wait_for(lambda: sup._drops.counts.get("slow_client", 0) > 0, 30.0)
-            assert await wait_for(lambda: len(sup.table) == 0, 10.0)
+            await stall(sup, slow)
             stats = await sup.stats()
             assert stats["dropped_frames"]["slow_client"] >= 1 and stats["num_cancelled"] == 20
             async with RemoteClient(sup.frontend_address) as other:
@@ -307,18 +318,11 @@ async def test_a_client_that_said_hello_with_batch_still_gets_batches_after_it_s
     # reads again its answers come in batches as before.
     async with fleet(2, client_send_hwm=50, engine_options={"tokens_per_s": 0}) as sup:
         ctx = zmq.asyncio.Context()
-        slow = ctx.socket(zmq.DEALER)
-        slow.setsockopt(zmq.RCVHWM, 10)
-        slow.setsockopt(zmq.RCVBUF, 4096)
-        slow.connect(sup.frontend_address)
+        slow = slow_reader(ctx, sup.frontend_address)
         try:
             await slow.send(msgpack.packb({"v": 1, "type": "hello", "id": "h", "batch": True}))
             assert msgpack.unpackb(await asyncio.wait_for(slow.recv(), 10))["data"]["batch"] is True
-            for i in range(20):
-                await slow.send(msgpack.packb({"v": 1, "type": "generate", "id": f"s{i}", "prompt_ids": [i + 1],
-                                               "sampling": {"max_tokens": 10_000_000}, "stream": True}))
-            assert await wait_for(lambda: sup._drops.counts.get("slow_client", 0) > 0, 30.0)
-            assert await wait_for(lambda: len(sup.table) == 0, 10.0)
+            await stall(sup, slow)
             while await slow.poll(200):  # what was queued before
                 await slow.recv()
             requests = [{"v": 1, "type": "generate", "id": f"b{i}", "prompt_ids": [i + 1],
