@@ -143,8 +143,8 @@ import time
 from typing import Any
 
 
-from common import (bench_parser, finite_float, machine_info, png_path, print_table, run_loop, run_main,
-                    child_env, stop_signals, stopped_by, summarize, write_json)
+from common import (bench_parser, finite_float, machine_info, memcpy_gbps, png_path, print_table, run_loop,
+                    run_main, child_env, stop_signals, stopped_by, summarize, write_json)
 
 if __name__ == "__main__":
     stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
@@ -682,7 +682,6 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     weights = make_weights(sizes["weights_mb"] * MB)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     bucket = sizes["bucket_mb"] * MB
-    dst = [torch.empty_like(t) for _, t in weights]
     out: dict[int, dict] = {}
     memcpy = 0.0
     async with contextlib.AsyncExitStack() as stack:
@@ -693,23 +692,9 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
             sups[k] = await stack.enter_async_context(Supervisor(config))
             await sups[k].update_weights(weights, version=1, bucket_bytes=bucket)  # warm-up: buffers, mappings
             out[k] = {"gbps": 0.0, "cpu": {}}
-        for d, (_, w) in zip(dst, weights):  # warm-up: first touch of the destination pages
-            d.copy_(w)
         version = 1
-        threads = torch.get_num_threads()
         for _ in range(sizes["rounds"]):
-            # As bench_weights.py's baseline: at one thread and at torch's default, whichever is
-            # faster (on a few shared cores, one thread often copies faster than several).
-            for n in (1, threads):
-                torch.set_num_threads(n)
-                try:
-                    for _ in range(sizes["reps"]):
-                        t = time.perf_counter()
-                        for d, (_, w) in zip(dst, weights):
-                            d.copy_(w)
-                        memcpy = max(memcpy, nbytes / (time.perf_counter() - t) / 1e9)
-                finally:
-                    torch.set_num_threads(threads)
+            memcpy = max(memcpy, memcpy_gbps(weights, sizes["reps"]))  # as bench_weights.py's baseline
             for k, sup in sups.items():
                 # This process keeps one set of shm segments between updates, mapped by the
                 # receivers of the fleet that used it last: an untimed update hands it to this one.

@@ -75,8 +75,8 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (bench_parser, machine_info, png_path, print_table, run_loop, run_main,  # noqa: E402
-                    child_env, stop_signals, write_json)
+from common import (bench_parser, copy_gbps, memcpy_gbps, machine_info, png_path, print_table,  # noqa: E402
+                    run_loop, run_main, child_env, stop_signals, write_json)
 
 if __name__ == "__main__":
     stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
@@ -205,33 +205,6 @@ async def measure(transport: str, device: str, weights, buckets: list[int], reps
         sock.close(linger=0)
         ctx.term()
         shutil.rmtree(tmp, ignore_errors=True)  # the socket file's folder
-
-
-def copy_gbps(weights, device: str, reps: int, threads: int | None = None) -> float:
-    """One copy of the same bytes into preallocated tensors on ``device`` (best of reps)."""
-    dst = [torch.empty_like(t, device=device) for _, t in weights]
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    best = 0.0
-    try:
-        for _ in range(reps + 1):  # the first pass faults the destination in
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for d, (_, t) in zip(dst, weights):
-                d.copy_(t)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    finally:
-        torch.set_num_threads(before)
-    return best
-
-
-def memcpy_gbps(weights, reps: int) -> float:
-    return max(copy_gbps(weights, "cpu", reps, 1), copy_gbps(weights, "cpu", reps))
 
 
 def make_weights(total: int, device: str) -> list:

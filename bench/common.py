@@ -402,3 +402,36 @@ def plot_cdfs_and_bars(path: str, series: dict[str, Sequence[float]], bars: dict
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def copy_gbps(weights, device: str, reps: int, threads: int | None = None) -> float:
+    """One copy of the same bytes into preallocated tensors on ``device`` (best of reps)."""
+    import time
+
+    import torch  # here, not at the top: the scripts that need no copy start without torch
+
+    dst = [torch.empty_like(t, device=device) for _, t in weights]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    best = 0.0
+    try:
+        for _ in range(reps + 1):  # the first pass faults the destination in
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for d, (_, t) in zip(dst, weights):
+                d.copy_(t)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+def memcpy_gbps(weights, reps: int) -> float:
+    """The CPU copy baseline: the best at one thread or at torch's default (on a few shared
+    cores, one thread often copies faster than several)."""
+    return max(copy_gbps(weights, "cpu", reps, 1), copy_gbps(weights, "cpu", reps))
