@@ -10,6 +10,7 @@ from rollfleet.actors import FleetConfig, FleetGroup, Supervisor, SyncClient
 from rollfleet.errors import FleetClosed, Unsupported
 from rollfleet.transport.messages import SamplingParams
 
+from ..helpers import wait_for
 from .test_fleet_echo import expected_tokens
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -225,9 +226,16 @@ async def test_a_control_op_a_stopped_worker_times_out_on_stays_in_force_so_its_
             stopped.resume()
         if op == "pause":
             await client.control("resume")
-        stats = await sup.stats()
-        assert [(w["engine_stats"]["sleeping"], w["engine_stats"]["paused"]) for w in stats["workers"]] == \
-            [(False, False), (False, False)]
+        seen: list = []
+
+        async def every_engine_free() -> bool:
+            seen[:] = [(w["engine_stats"]["sleeping"], w["engine_stats"]["paused"])
+                       for w in (await sup.stats())["workers"]]
+            return seen == [(False, False), (False, False)]
+
+        # The worker that ran again answers stats as it reads them, while the ops queued before
+        # (the ones the fleet timed out on) run in tasks of their own: it gets there a moment later.
+        assert await wait_for(every_engine_free, 10), f"(sleeping, paused) per engine: {seen}"
         results = await asyncio.wait_for(asyncio.gather(
             *(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=3)) for i in range(4))), 10)
         assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(4)]
