@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from .helpers import wait_until
+
 CLI = [sys.executable, "-m", "rollfleet"]
 
 
@@ -324,7 +326,7 @@ def test_demo_interrupted_mid_batch_says_so_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("interval", ["5", "0.05"])
 def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_path, interval):
-    # 200 tokens at 100 tokens/s, its worker killed 0.3 s in: with reports every 0.05 s the fleet
+    # 200 tokens at 100 tokens/s, its worker killed 0.6 s in: with reports every 0.05 s the fleet
     # holds some tokens by then and the resumed request keeps them (a second segment, starting
     # there); with reports every 5 s none was reported yet and it starts over (one segment).
     import asyncio
@@ -342,7 +344,7 @@ def test_serve_report_interval_sets_how_much_a_dead_workers_request_keeps(tmp_pa
         async with RemoteClient(f"ipc://{sock}") as client:
             task = asyncio.create_task(client.generate("r", [5], SamplingParams(max_tokens=200)))
             pid = (await client.stats())["workers"][0]["pid"]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.6)
             os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(task, 60)
 
@@ -387,6 +389,15 @@ def test_stats_into_a_pipe_its_reader_closed_is_no_traceback(tmp_path):
         assert proc.wait(30) == 0
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (False once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return "libtorch" in maps.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_node_agent_waiting_for_its_store_stops_on_a_signal_with_exit_0(sig):
     # Nothing answers at the store's address yet (its fleet is still starting): a signal ends
@@ -397,7 +408,9 @@ def test_node_agent_waiting_for_its_store_stops_on_a_signal_with_exit_0(sig):
     proc = subprocess.Popen([*CLI, "node", "--store", f"127.0.0.1:{port}", "--timeout", "120"],
                             stderr=subprocess.PIPE, text=True)
     with reaped(proc):
-        time.sleep(3)  # past the imports, into the wait
+        # Past the imports, into the wait: torch loads after the agent took the signals over.
+        assert wait_until(lambda: proc.poll() is not None or torch_loaded(proc.pid), 60)
+        time.sleep(1)
         assert proc.poll() is None
         proc.send_signal(sig)
         assert proc.wait(15) == 0

@@ -102,6 +102,7 @@ def test_new_tokens_of_running_requests_are_reported_together_once_per_interval(
     router, ident, _ = worker
     params = SamplingParams(max_tokens=40)  # 0.4 s each at 100 tokens/s
     requests = [Generate(id=f"p{i}", prompt_ids=[i + 3], sampling=params) for i in range(24)]
+    sent = time.monotonic()
     router.send_multipart([ident, codec.batch_frame([codec.encode(m) for m in requests])])
     chunks: dict[str, list[int]] = {m.id: [] for m in requests}
     results: dict[str, Result] = {}
@@ -121,21 +122,28 @@ def test_new_tokens_of_running_requests_are_reported_together_once_per_interval(
                 results[item.id] = item
         if reported:
             reports.append((time.monotonic(), reported))
+    elapsed = time.monotonic() - sent
     for m in requests:
         want = echo_tokens(m.prompt_ids, 40)
         assert results[m.id].token_ids == want
         assert chunks[m.id] == want[:len(chunks[m.id])] and chunks[m.id]  # in order, never repeated
     # One report per interval for all requests (per-request timers would report each request in
     # its own turn of the loop, ~24 per interval). A report may take two frames (the transport
-    # sends the first message of a turn at once and batches the rest): frames less than 30 ms
-    # apart are one report.
+    # sends the first message of a turn at once and batches the rest): a frame that names none
+    # of the requests of the report before it, and comes within half an interval, belongs to it
+    # (a report names each request once).
     merged: list[tuple[float, set[str]]] = []
     for t, ids in reports:
-        if merged and t - merged[-1][0] < 0.03:
+        if merged and t - merged[-1][0] < 0.075 and merged[-1][1].isdisjoint(ids):
             merged[-1][1].update(ids)
         else:
             merged.append((t, set(ids)))
-    assert 1 <= len(merged) <= 4, [(round(t, 3), len(r)) for t, r in reports]
-    assert max(len(r) for _, r in merged) == len(requests), [(round(t, 3), len(r)) for t, r in reports]
-    gaps = [b[0] - a[0] for a, b in zip(merged, merged[1:])]
-    assert all(g > 0.075 for g in gaps), gaps  # not much sooner than the configured interval (0.15 s)
+    shown = [(round(t - sent, 3), len(r)) for t, r in reports]
+    assert max(len(r) for _, r in merged) == len(requests), shown
+    # At most one report per interval of the run (0.4 s when the machine is idle, longer when
+    # it is busy): a report per step (20 ms) would be several times as many.
+    assert 1 <= len(merged) <= elapsed / 0.15 + 2, (elapsed, shown)
+    gaps = sorted(b[0] - a[0] for a, b in zip(merged, merged[1:]))
+    # Not much sooner than the configured interval (0.15 s); the median, as this process may
+    # read one report late and the next on time.
+    assert not gaps or gaps[len(gaps) // 2] > 0.075, gaps

@@ -193,7 +193,8 @@ async def test_a_batch_client_that_goes_away_costs_the_fleet_nothing():
         await raw.send(codec.encode(Hello(id="h", batch=True)))
         await raw.answers({"h"})
         await raw.send(codec.batch_frame([generate(f"gone{i}", [i + 1], 4) for i in range(40)]))
-        await asyncio.sleep(0.05)
+        # in the fleet before the socket closes (closing at once drops what it has not sent)
+        assert await wait_for(lambda: len(sup.table) + sup.counters["completed"] == 40, 10)
         raw.close()  # its answers have nowhere to go: EHOSTUNREACH on the supervisor's side
         deadline = asyncio.get_running_loop().time() + 20
         while sup.counters["completed"] < 40 and asyncio.get_running_loop().time() < deadline:
@@ -300,7 +301,7 @@ async def test_closing_a_remote_client_ends_its_waiting_calls_with_fleet_closed(
                 pass
 
         streaming = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        assert await wait_for(lambda: len(sup.table) == 4, 10)  # all four reached the fleet
         await client.close()
         for task in [*waiting, streaming]:
             with pytest.raises(FleetClosed):

@@ -157,17 +157,17 @@ async def test_one_sampling_params_reused_with_its_stop_list_changed_in_place_st
 async def test_abort_one_of_many_leaves_others_untouched():
     async with fleet(2, engine_options={"tokens_per_s": 200}) as sup:
         client = sup.client()
-        params = SamplingParams(max_tokens=40)
+        params = SamplingParams(max_tokens=100)  # 0.5 s each
         tasks = {i: asyncio.create_task(client.generate(f"r{i}", [i + 1], params)) for i in range(8)}
         await asyncio.sleep(0.05)
         assert await client.abort("r3")
         assert not await client.abort("nope")
         results = {i: await t for i, t in tasks.items()}
         aborted = results.pop(3)
-        assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 40
+        assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 100
         assert aborted.token_ids == expected_tokens([4], len(aborted.token_ids))
         for i, r in results.items():
-            assert r.finish_reason == "length" and r.token_ids == expected_tokens([i + 1], 40)
+            assert r.finish_reason == "length" and r.token_ids == expected_tokens([i + 1], 100)
         assert len(sup.table) == 0
 
 
@@ -565,7 +565,7 @@ SUPERVISOR_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sigkill_of_the_supervisor_takes_the_workers_down_within_2s():
+def test_sigkill_of_the_supervisor_takes_the_workers_and_their_socket_directory_down():
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().split()
@@ -573,8 +573,9 @@ def test_sigkill_of_the_supervisor_takes_the_workers_down_within_2s():
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        # At once on an idle machine; 10 s leaves room for a busy one.
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and (any(psutil.pid_exists(p) for p in pids) or os.path.exists(private_dir)):
             time.sleep(0.05)
         assert not any(psutil.pid_exists(p) for p in pids)
         assert not os.path.exists(private_dir), "socket directory left behind"

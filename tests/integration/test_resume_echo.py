@@ -30,39 +30,53 @@ def offset(value):
     return [("offset", torch.tensor([value]))]
 
 
+async def running_with_tokens(sup, count):
+    """Wait until ``count`` requests run and each has tokens the fleet knows of (a fleet made
+    with a short report_interval_s): an update after a fixed sleep could, on a busy machine,
+    land before any token, or after a short request ended."""
+    return await wait_for(lambda: len(sup.table) == count and all(e.token_ids for e in sup.table), 10.0)
+
+
 async def test_weight_update_mid_stream_resumes_with_exact_tokens_and_versions():
-    async with fleet() as sup:
+    N = 200  # 1 s of work at 200 tokens/s
+    async with fleet(report_interval_s=0.02) as sup:
         client = sup.client()
         await client.update_weights(offset(0), version=0)  # warm the weights path
-        params = SamplingParams(max_tokens=60)
+
+        def every_request_made_tokens_under(versions):
+            return lambda: len(sup.table) == 6 and all(e.versions == versions for e in sup.table)
+
+        params = SamplingParams(max_tokens=N)
         tasks = [asyncio.create_task(client.generate(f"r{i}", [i + 1], params)) for i in range(6)]
-        await asyncio.sleep(0.1)
+        # Each update once every request made tokens under the last one (after a fixed sleep, a
+        # busy machine could let the next update land before a resumed request made a token).
+        assert await wait_for(every_request_made_tokens_under([0]), 10.0)
         report = await client.update_weights(offset(0), version=1)
         assert report.ok
-        await asyncio.sleep(0.05)
+        assert await wait_for(every_request_made_tokens_under([0, 1]), 10.0)
         await client.update_weights(offset(0), version=2)
         for i, t in enumerate(tasks):
             r = await t
-            assert r.token_ids == expected_tokens([i + 1], 60)
-            assert r.finish_reason == "length" and len(r.token_ids) == 60
+            assert r.token_ids == expected_tokens([i + 1], N)
+            assert r.finish_reason == "length" and len(r.token_ids) == N
             assert r.num_preemptions == 2 and r.weight_versions == [0, 1, 2]
             assert (r.min_version, r.max_version) == (0, 2)
-        assert params.max_tokens == 60 and params.stop_token_ids == []
+        assert params.max_tokens == N and params.stop_token_ids == []
         assert len(sup.table) == 0
 
 
 async def test_new_weights_apply_to_the_resumed_part_only():
-    async with fleet(1) as sup:
+    async with fleet(1, report_interval_s=0.02) as sup:
         client = sup.client()
-        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=50)))
-        await asyncio.sleep(0.08)
+        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=100)))
+        assert await running_with_tokens(sup, 1)  # 0.5 s of work in all
         await client.update_weights(offset(7), version=1)
         r = await task
         # The tokens before the update follow the old weights; the rest continue from them
         # under the new ones (offset 7).
-        first = next(k for k in range(1, 51) if r.token_ids[:k] != expected_tokens([3], k)) - 1
-        assert 0 < first < 50
-        rest = expected_tokens([3] + r.token_ids[:first], 50 - first, offset=7)
+        first = next(k for k in range(1, 101) if r.token_ids[:k] != expected_tokens([3], k)) - 1
+        assert 0 < first < 100
+        rest = expected_tokens([3] + r.token_ids[:first], 100 - first, offset=7)
         assert r.token_ids[first:] == rest and r.weight_versions == [0, 1] and r.num_preemptions == 1
 
 
@@ -117,30 +131,30 @@ async def test_a_resume_after_a_dead_worker_starts_a_segment_where_the_kept_toke
 
 
 async def test_a_resumed_requests_worker_time_adds_up_its_attempts():
-    # 60 tokens at 200 tokens/s: at least 0.3 s of engine time over both attempts, however the
+    # 100 tokens at 200 tokens/s: at least 0.5 s of engine time over both attempts, however the
     # update splits them; the second attempt alone is shorter, and the update's pause between
     # them is the fleet's time, not the workers'.
-    async with fleet(1) as sup:
+    async with fleet(1, report_interval_s=0.02) as sup:
         client = sup.client()
-        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=60)))
-        await asyncio.sleep(0.15)
+        task = asyncio.create_task(client.generate("r", [3], SamplingParams(max_tokens=100)))
+        assert await running_with_tokens(sup, 1)
         await client.update_weights(offset(0), version=1)
         r = await task
-        assert r.num_preemptions == 1 and r.weight_versions == [0, 1] and len(r.token_ids) == 60
-        assert 0.3 <= r.timings["worker"] <= r.timings["total"]
+        assert r.num_preemptions == 1 and r.weight_versions == [0, 1] and len(r.token_ids) == 100
+        assert 0.5 <= r.timings["worker"] <= r.timings["total"]
 
 
 async def test_hard_abort_requests_return_their_partial_output_on_update():
-    async with fleet(1) as sup:
+    async with fleet(1, report_interval_s=0.02) as sup:
         client = sup.client()
-        hard = asyncio.create_task(client.generate("hard", [2], SamplingParams(max_tokens=80), resume=False))
-        soft = asyncio.create_task(client.generate("soft", [2], SamplingParams(max_tokens=30)))
-        await asyncio.sleep(0.08)
+        hard = asyncio.create_task(client.generate("hard", [2], SamplingParams(max_tokens=160), resume=False))
+        soft = asyncio.create_task(client.generate("soft", [2], SamplingParams(max_tokens=80)))
+        assert await running_with_tokens(sup, 2)  # 0.4 s of work left to soft at least
         await client.update_weights(offset(0), version=1)
         h, s = await hard, await soft
-        assert h.finish_reason == "abort" and 0 < len(h.token_ids) < 80
+        assert h.finish_reason == "abort" and 0 < len(h.token_ids) < 160
         assert h.token_ids == expected_tokens([2], len(h.token_ids)) and h.num_preemptions == 0
-        assert s.finish_reason == "length" and s.token_ids == expected_tokens([2], 30) and s.num_preemptions == 1
+        assert s.finish_reason == "length" and s.token_ids == expected_tokens([2], 80) and s.num_preemptions == 1
 
 
 async def test_worker_sigkill_resumes_its_requests_on_a_healthy_worker():
@@ -444,16 +458,16 @@ async def test_requests_queued_in_a_full_engine_resume_too_when_weights_change()
     # One worker that runs 2 requests at once (echo's max_running): at the update, 2 run and 4
     # wait inside the engine. All 6 are interrupted; the running ones keep their partial output,
     # the waiting ones have none and start under the new version.
-    async with Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, report_interval_s=0.02, engine_options={
             "tokens_per_s": 200, "max_running": 2, "step_tokens": 4})) as sup:
         client = sup.client()
-        params = SamplingParams(max_tokens=40)  # 0.2 s each: three waves of two
+        params = SamplingParams(max_tokens=100)  # 0.5 s each: three waves of two
         tasks = [asyncio.create_task(client.generate(f"q{i}", [i + 1], params)) for i in range(6)]
-        await asyncio.sleep(0.1)
+        assert await wait_for(lambda: len(sup.table) == 6 and any(e.token_ids for e in sup.table), 10.0)  # first wave
         assert (await client.update_weights(offset(0), version=1)).ok
         results = [await t for t in tasks]
         for i, r in enumerate(results):
-            assert r.token_ids == expected_tokens([i + 1], 40) and r.finish_reason == "length"
+            assert r.token_ids == expected_tokens([i + 1], 100) and r.finish_reason == "length"
             assert r.weight_versions in ([0, 1], [1]) and r.num_preemptions == 1, (i, r)
         started = [r for r in results if r.weight_versions == [0, 1]]
         assert 1 <= len(started) <= 2 and any(r.weight_versions == [1] for r in results)

@@ -175,7 +175,8 @@ async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_
 
     async with fleet_with_a_worker_key(tmp_path, tokens_per_s=100) as (sup, dealer):
         client = sup.client()
-        victim = asyncio.create_task(client.generate("victim", [1, 2], SamplingParams(max_tokens=40)))
+        # 2 s of work: still running when the false frames come, after a CurveZMQ handshake
+        victim = asyncio.create_task(client.generate("victim", [1, 2], SamplingParams(max_tokens=200)))
         while not sup.table.num_inner:
             await asyncio.sleep(0.01)
         inner = next(iter(sup.table)).inner_id
@@ -194,7 +195,7 @@ async def test_a_worker_cannot_end_or_add_to_a_request_that_runs_on_another(tmp_
         finally:
             sock.close()
             ctx.term()
-        assert result.finish_reason == "length" and result.token_ids == echo_tokens([1, 2], 40)
+        assert result.finish_reason == "length" and result.token_ids == echo_tokens([1, 2], 200)
         assert result.worker == "w0-0"
         stats = await sup.stats(engines=False)
         assert [w["num_inflight"] for w in stats["workers"]] == [0, 0]
