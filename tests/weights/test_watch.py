@@ -9,7 +9,10 @@ import pytest
 
 from rollfleet.errors import EngineFailed
 from rollfleet.weights import WeightReceiver
+
 from weights_harness import StoreEngine
+
+from ..helpers import wait_for
 
 
 class GpuWork:
@@ -33,16 +36,6 @@ async def turns(n: int = 3) -> None:
         await asyncio.sleep(0)
 
 
-async def until(cond) -> bool:  # type: ignore[no-untyped-def]
-    """Turn the loop until ``cond()`` holds, 5 s at most. A few turns are enough on an idle
-    machine; past FINISH_POLL_S (a busy one) the receiver waits in a thread, which takes longer."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while not cond() and loop.time() < deadline:
-        await asyncio.sleep(0.001)
-    return cond()
-
-
 async def test_buckets_are_answered_in_order_once_their_work_is_done():
     receiver = WeightReceiver(StoreEngine())
     answered = []
@@ -54,7 +47,7 @@ async def test_buckets_are_answered_in_order_once_their_work_is_done():
     await turns()
     assert answered == []  # the first is not done: nothing overtakes it
     first.ready = True
-    assert await until(lambda: len(answered) == 3)
+    assert await wait_for(lambda: len(answered) == 3)  # past FINISH_POLL_S, in a thread: more turns
     assert answered == [("first", None), ("second", None), ("done already", None)]
     receiver.watch(None, lambda exc: answered.append(("alone", exc)))  # nothing queued: at once
     assert answered[-1] == ("alone", None)
@@ -87,7 +80,7 @@ async def test_failed_gpu_work_fails_the_bucket_and_marks_the_weights_mixed():
     work = GpuWork()
     work.error = RuntimeError("illegal memory access")
     receiver.watch(work, lambda exc: answered.append(exc))
-    assert await until(lambda: answered)
+    assert await wait_for(lambda: answered)
     assert len(answered) == 1 and isinstance(answered[0], EngineFailed)
     assert "illegal memory access" in str(answered[0])
     assert receiver.version == -1
