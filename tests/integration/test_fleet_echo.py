@@ -451,7 +451,7 @@ async def test_cancellation_reaches_the_worker():
 
 
 async def test_a_stream_past_its_timeout_ends_with_request_timeout_and_stops_on_its_worker():
-    # 1000 tokens at 200/s take 5 s; the stream has 0.3 s. It yields the chunks made until then,
+    # 1000 tokens at 200/s take 5 s; the stream has 1 s. It yields the chunks made until then,
     # then raises; the request stops on its worker. Local and through the frontend. A stream
     # whose answer comes in time is not hurt by its timer.
     async with fleet(1, engine_options={"tokens_per_s": 200}, report_interval_s=0.05) as sup:
@@ -459,10 +459,10 @@ async def test_a_stream_past_its_timeout_ends_with_request_timeout_and_stops_on_
             for client in (sup.client(), remote):
                 chunks = []
                 t0 = time.monotonic()
-                with pytest.raises(RequestTimeout, match="timed out after 0.3s"):
-                    async for item in client.stream("s", [1], SamplingParams(max_tokens=1000), timeout=0.3):
+                with pytest.raises(RequestTimeout, match="timed out after 1.0s"):
+                    async for item in client.stream("s", [1], SamplingParams(max_tokens=1000), timeout=1.0):
                         chunks.append(item)
-                assert 0.3 <= time.monotonic() - t0 < 3.0
+                assert 1.0 <= time.monotonic() - t0 < 4.0
                 assert chunks and sum(len(c.token_ids) for c in chunks) < 1000
                 assert await wait_for(lambda: len(sup.table) == 0, 3.0)
                 items = [item async for item in client.stream("quick", [1], SamplingParams(max_tokens=5), timeout=5)]

@@ -34,13 +34,25 @@ def pair(tmp_path):
     ctx.term()
 
 
-def received(dealer, timeout_ms=2000):
-    """Every message waiting at the dealer, each as its list of decoded messages."""
+def received(dealer, expect, timeout_ms=2000):
+    """The messages at the dealer, each as its list of decoded messages: up to `timeout_ms` for
+    `expect` decoded messages in all, then whatever else is already there (a test that sees more
+    than it expects fails on it)."""
     out = []
-    while dealer.poll(timeout_ms if not out else 100):
-        msg = codec.decode([dealer.recv()])
-        out.append(codec.unbatch(msg) if isinstance(msg, Batch) else [msg])
+    deadline = time.monotonic() + timeout_ms / 1000
+    while sum(map(len, out)) < expect:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0 or not dealer.poll(left_ms):
+            break
+        out.append(decoded(dealer.recv()))
+    while dealer.poll(50):
+        out.append(decoded(dealer.recv()))
     return out
+
+
+def decoded(frame):
+    msg = codec.decode([frame])
+    return codec.unbatch(msg) if isinstance(msg, Batch) else [msg]
 
 
 async def test_the_first_post_goes_at_once_and_the_rest_of_the_iteration_as_one_batch(pair):
@@ -54,7 +66,7 @@ async def test_the_first_post_goes_at_once_and_the_rest_of_the_iteration_as_one_
     assert not dealer.poll(50)  # the others wait for it
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert received(dealer) == [msgs[1:]]
+    assert received(dealer, len(msgs) - 1) == [msgs[1:]]
     # A new iteration: its first message goes alone again.
     lsock.post(b"peer", codec.encode(Stats(id="s1")))
     assert dealer.poll(2000)
@@ -69,7 +81,7 @@ async def test_batches_are_cut_by_count_and_by_bytes(pair):
     for m in msgs:
         lsock.post(b"peer", codec.encode(m))
     await asyncio.sleep(0.01)
-    got = received(dealer)
+    got = received(dealer, len(msgs))
     assert [len(b) for b in got] == [1, aio.BATCH_COUNT, aio.BATCH_COUNT, 3]
     assert [m for b in got for m in b] == msgs
 
@@ -78,7 +90,7 @@ async def test_batches_are_cut_by_count_and_by_bytes(pair):
     for m in big:
         lsock.post(b"peer", codec.encode(m))
     await asyncio.sleep(0.01)
-    got = received(dealer)
+    got = received(dealer, len(big))
     assert [len(b) for b in got] == [1, 1, 1, 1, 1] and [b[0] for b in got] == big
     lsock.close()
 
@@ -111,7 +123,7 @@ async def test_a_post_to_a_gone_peer_reaches_the_error_callback_and_others_still
         lsock.post(b"peer", codec.encode(Stats(id=f"kept{i}")))
     await asyncio.sleep(0.01)
     assert errors == [(b"nobody", zmq.EHOSTUNREACH)] * 2
-    assert received(dealer) == [[Stats(id="kept0")], [Stats(id="kept1"), Stats(id="kept2")]]
+    assert received(dealer, 3) == [[Stats(id="kept0")], [Stats(id="kept1"), Stats(id="kept2")]]
     lsock.close()
 
 
