@@ -11,6 +11,8 @@ from rollfleet.transport import aio, codec
 from rollfleet.transport.aio import LoopSocket
 from rollfleet.transport.messages import Batch, Chunk, Stats
 
+from ..helpers import wait_until
+
 
 @pytest.fixture
 def pair(tmp_path):
@@ -34,25 +36,22 @@ def pair(tmp_path):
     ctx.term()
 
 
-def received(dealer, expect, timeout_ms=2000):
-    """The messages at the dealer, each as its list of decoded messages: up to `timeout_ms` for
-    `expect` decoded messages in all, then whatever else is already there (a test that sees more
-    than it expects fails on it)."""
+def received(dealer, expect, timeout=2.0):
+    """The messages at the dealer, each as its list of decoded messages: up to `timeout` seconds
+    for `expect` decoded messages in all, then whatever else comes within 50 ms (a test that sees
+    more than it expects fails on it)."""
     out = []
-    deadline = time.monotonic() + timeout_ms / 1000
-    while sum(map(len, out)) < expect:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        if left_ms <= 0 or not dealer.poll(left_ms):
-            break
-        out.append(decoded(dealer.recv()))
-    while dealer.poll(50):
-        out.append(decoded(dealer.recv()))
+
+    def read() -> bool:
+        while dealer.poll(0):
+            msg = codec.decode([dealer.recv()])
+            out.append(codec.unbatch(msg) if isinstance(msg, Batch) else [msg])
+        return sum(map(len, out)) >= expect
+
+    wait_until(read, timeout)
+    dealer.poll(50)
+    read()
     return out
-
-
-def decoded(frame):
-    msg = codec.decode([frame])
-    return codec.unbatch(msg) if isinstance(msg, Batch) else [msg]
 
 
 async def test_the_first_post_goes_at_once_and_the_rest_of_the_iteration_as_one_batch(pair):
