@@ -6,13 +6,14 @@ import asyncio
 import time
 
 
-async def wait_for(pred, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    """Poll ``pred`` (a function or a coroutine function) until it is true; False on timeout."""
+async def wait_for(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
+    """Poll ``pred`` (a function or a coroutine function) every ``interval`` seconds until it is
+    true; False on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if await pred() if asyncio.iscoroutinefunction(pred) else pred():
             return True
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(interval)
     return False
 
 

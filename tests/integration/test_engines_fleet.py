@@ -32,6 +32,8 @@ from rollfleet.engines.tiny import build_tiny_llama, tiny_llama_model  # noqa: E
 from rollfleet.errors import InvalidRequest, Unsupported, WeightUpdateError  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
+from ..helpers import wait_for  # noqa: E402
+
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 # Several prompts, two of them longer than a KV-cache block (16 tokens), so a cache that
@@ -72,15 +74,6 @@ def perturbed(state: dict, seed: int = 1) -> dict:
         t = t + 0.05 * torch.randn(t.shape, generator=gen)
         out[name] = (t * 4 if name == "lm_head.weight" else t).contiguous()
     return out
-
-
-async def wait_for(pred, timeout: float, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(interval)
-    return False
 
 
 async def wait_tokens(sup: Supervisor, request_id: str, n: int, timeout: float = 60.0) -> None:
