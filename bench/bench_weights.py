@@ -7,8 +7,9 @@ from the call to ``update`` until every worker has committed the version.
   engine on a Llama checkpoint of the requested size, written once into a temp dir) and
   ``await sup.update_weights(tensors, version, bucket_bytes=...)`` with tensors matching the
   engine's state dict. The supervisor's keep-last copy (``keep_last_weights``) is off for
-  these rows: it is a separate cost (a fresh CPU copy of the whole model), measured once in
-  its own row ``shm_keep_last``. Three shm rows: ``shm``, the default, where the engine
+  these rows: it is a separate cost (a fresh CPU copy of the whole model), measured in its
+  own row ``shm_keep_last`` (the best of ``--reps`` updates at the bucket size where ``shm`` was
+  fastest, with no warm-up of its own). Three shm rows: ``shm``, the default, where the engine
   reads the trainer's tensors of 1 MiB or more in place (process_vm_readv, one copy) once
   they are on huge pages (WeightSyncConfig.huge_pages: the sender moves them there after
   the second update that sends them); ``shm_as_allocated``, in place from a copy of the

@@ -6,7 +6,7 @@ the script's own folder first on ``sys.path``, so a plain ``from common import .
 this file whatever the working directory. Scripts started some other way (``runpy``, a
 test importing them) should put ``bench/`` on ``sys.path`` first.
 
-Every script takes ``--quick`` (a short run: 15 s to 3 minutes on a 2-core machine),
+Every script takes ``--quick`` (a short run: 5 s to 3 minutes on a 2-core machine),
 ``--json PATH`` (a flat object of named metrics: numbers, booleans, strings) and
 ``--png PATH`` (defaults to the JSON path with a ``.png`` suffix when ``--json`` is given).
 
@@ -38,10 +38,11 @@ import platform
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "MACHINE_KEYS",
+    "OneLineParser",
     "bench_parser",
     "finite_float",
     "quick_defaults",
@@ -171,12 +172,19 @@ def run_loop(coro: Any, *, use_uvloop: bool = True) -> Any:
         _main_task = None  # set until the loop has shut down: no signal may raise inside that
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad options: one line on stderr, ``prog: error: message``, and exit 2 (the usage is
+    what --help is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def bench_parser(description: str | None) -> argparse.ArgumentParser:
     """A parser with the options every bench script shares; add your own before parsing."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="Short run (15 s to 3 minutes on a 2-core machine) for smoke tests.")
+                        help="Short run (5 s to 3 minutes on a 2-core machine) for smoke tests.")
     parser.add_argument("--json", metavar="PATH", help="Write a flat JSON object of named metrics here.")
     parser.add_argument("--png", metavar="PATH",
                         help="Write a plot here (default: next to --json, with a .png suffix).")

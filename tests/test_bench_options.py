@@ -24,7 +24,9 @@ def test_a_bad_option_gets_one_line_that_says_what_is_wrong(script, args, messag
     proc = subprocess.run([sys.executable, os.path.join(BENCH, f"{script}.py"), *args], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # the line alone: no usage above it
+    last = lines[-1]
     assert message in last, proc.stderr
     assert "Traceback" not in proc.stderr
     if message.startswith("error: --"):

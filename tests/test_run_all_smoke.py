@@ -115,7 +115,7 @@ def test_only_naming_a_missing_script_is_refused_with_exit_2_before_anything_run
     report = tmp_path / "R.md"
     proc = run_all_status("--only", "rpc", "bench_nosuchthing", "--out", str(tmp_path / "out"), "--report", str(report))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].endswith("--only: no such script: bench/bench_nosuchthing.py")
+    assert proc.stderr.strip().splitlines() == ["run_all: error: --only: no such script: bench/bench_nosuchthing.py"]
     assert "Traceback" not in proc.stderr and "== bench_rpc" not in proc.stdout
     assert not report.exists()
 
@@ -129,7 +129,8 @@ def test_include_of_a_folder_that_is_missing_or_holds_no_results_is_refused_with
     proc = run_all_status("--no-run", "--out", str(tmp_path / "out"), "--include", str(folder),
                           "--report", str(report))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"--include {folder}: " in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"run_all: error: --include {folder}: " in proc.stderr and "Traceback" not in proc.stderr
     assert not report.exists()
 
 
@@ -262,3 +263,23 @@ def test_every_link_of_a_report_written_outside_bench_resolves(tmp_path):
     assert "Machine A (2 cores, 23.5 GB memory, no GPU)" in text
     assert "Machine B (16 cores, 125.9 GB memory, no GPU)" in text
     assert "not measured: ray is not importable (ModuleNotFoundError: No module named 'ray')" in text
+
+
+@pytest.mark.parametrize("where, says", [
+    ("machine cores (the loop waits for one)", "in bursts"),
+    ("machine cores (rollfleet)", "every core was busy"),
+    ("supervisor event loop", "The supervisor is the bottleneck"),
+])
+def test_the_bottleneck_paragraph_says_every_core_was_busy_only_when_they_were(where, says):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from report_md import bottleneck_text
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    busy = 1.71 if "waits" in where else 1.95
+    m = {"machine_cores": 2, "rps_1w": 30000.0, "supervisor_loop_cpu_1w": 0.7, "supervisor_cpu_1w": 0.9,
+         "workers_cpu_1w": 0.7, "machine_busy_1w": busy, "supervisor_loop_wait_1w": 0.22, "bottleneck_1w": where}
+    text = bottleneck_text(m)
+    assert says in text
+    if "waits" in where:
+        assert "every core was busy" not in text and "1.71 of them were busy" in text and "waited 0.22" in text

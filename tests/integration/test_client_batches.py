@@ -24,7 +24,7 @@ from rollfleet.actors import supervisor as supervisor_module
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import DuplicateRequest, FleetClosed, RequestTimeout
 from rollfleet.transport import codec
-from rollfleet.transport.messages import Generate, Hello, SamplingParams
+from rollfleet.transport.messages import Control, Generate, Hello, SamplingParams
 
 from ..helpers import wait_for
 
@@ -485,3 +485,24 @@ async def test_a_remote_batch_cancelled_before_its_hello_failed_leaves_no_task_e
     finally:
         silent.close(0)
         ctx.term()
+
+
+async def test_dropped_frames_count_an_oversized_batch_with_an_unpackable_message_as_a_bad_frame_not_an_unknown_op():
+    # PROTOCOL.md 6.5: a batch of over 1,024 messages that holds one msgpack cannot unpack is
+    # refused with that message's error and counts under bad_client_frame, not
+    # client_batch_too_large; an unknown control op is answered unknown_op and counted nowhere.
+    async with fleet(1) as sup:
+        raw = RawClient(sup.frontend_address)
+        try:
+            unpackable = b"\x83\xa1v\x01\xa4type\xa8generate\xa2id\xa2\xff\xfe"  # its id is not UTF-8
+            await raw.send(codec.batch_frame([generate(f"u{i}", [1], 1) for i in range(1025)] + [unpackable]))
+            refused = (await raw.answers({""}))[""]
+            assert refused["type"] == "error" and refused["code"] == "bad_frame", refused
+            await raw.send(codec.encode(Control(id="op", op="no_such_op")))
+            answer = (await raw.answers({"op"}))["op"]
+            assert answer["type"] == "error" and answer["code"] == "unknown_op", answer
+            dropped = (await sup.stats(engines=False))["dropped_frames"]
+            assert dropped.get("bad_client_frame") == 1 and "client_batch_too_large" not in dropped, dropped
+            assert sup.counters["completed"] == 0  # nothing of the refused batch ran
+        finally:
+            raw.close()
