@@ -234,8 +234,10 @@ class _Base:
         """Generate for every prompt concurrently; the results in prompt order.
 
         ``sampling_params`` is one for all (SamplingParams, dict or None) or a list with one
-        per prompt. ``request_ids`` defaults to fresh unique ids; ``timeout`` applies to each
-        request, and ``session_id`` and ``resume`` to all of them. With
+        per prompt. ``request_ids`` defaults to fresh unique ids; ``timeout`` is a deadline for
+        the whole call, counted from it (a RemoteClient's wait for its ``hello`` included):
+        every request not answered by then fails with RequestTimeout. ``session_id`` and
+        ``resume`` apply to all of them. With
         ``return_exceptions`` a failed request's slot holds its RolloutError. Without it, the
         first failure is raised once the batch's other requests are cancelled (stopped on their
         workers; their partial output is dropped), as they are when the call itself is
@@ -274,6 +276,8 @@ class _Base:
             return []
         if timeout is None:
             timeout = self.default_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         try:
             ready = self._ready()
             if ready is not None:
@@ -291,7 +295,7 @@ class _Base:
         answers: list[Any] = [None] * len(prompts)
         left = len(prompts)
         first_failure: int | None = None
-        woken = asyncio.get_running_loop().create_future()
+        woken = loop.create_future()
 
         def answered(i: int, answer: Any) -> None:
             nonlocal left, first_failure
@@ -337,7 +341,9 @@ class _Base:
                 self.on_dispatch(request_id)
             if not woken.done():
                 try:
-                    await asyncio.wait_for(woken, timeout)
+                    # What is left of the call's deadline: the wait for hello and the sends took
+                    # the rest (wait_for with 0 left times out at once).
+                    await asyncio.wait_for(woken, None if deadline is None else max(deadline - loop.time(), 0.0))
                 except asyncio.TimeoutError:
                     timed_out = True
         finally:

@@ -912,6 +912,24 @@ async def test_a_remote_calls_own_timeout_bounds_its_wait_for_the_hello():
         assert [type(r) for r in kept] == [RequestTimeout, RequestTimeout]
 
 
+async def test_a_remote_generate_batch_times_out_at_its_deadline_counted_from_the_call_hello_included():
+    # The wait for the fleet's hello takes part of the timeout; the results get what is left of
+    # it, not a whole timeout again (the call then took the hello's wait plus the timeout).
+    with socket_module.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    async with RemoteClient(address) as remote:
+        started = time.monotonic()
+        call = asyncio.create_task(remote.generate_batch([[1], [2]], SamplingParams(max_tokens=10**6), timeout=8))
+        await asyncio.sleep(3)  # no fleet yet: the call waits for its hello
+        async with fleet(1, frontend_addr=address, engine_options={"tokens_per_s": 5}):
+            with pytest.raises(RequestTimeout) as caught:
+                await asyncio.wait_for(call, 30)
+            elapsed = time.monotonic() - started
+    assert "hello" not in str(caught.value), caught.value  # the requests were sent, and then timed out
+    assert 7.5 < elapsed < 10.5, elapsed  # 8 s from the call; not 3 s of hello + 8
+
+
 async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers(tmp_path):
     # A job manager's SIGTERM then SIGKILL can end the supervisor while its workers take their
     # grace period: the socket files must be gone by then, not only at the very end.
