@@ -288,6 +288,7 @@ async def serve(args: argparse.Namespace) -> int:
     wrote_ready = False
     try:
         from .actors import FleetConfig, RestartPolicy, Supervisor
+        from .actors.process import claim_private_dir
         from .engines import check_engine_options
 
         try:
@@ -298,6 +299,9 @@ async def serve(args: argparse.Namespace) -> int:
                 from .engines.tiny import build_tiny_llama
 
                 model_dir = tempfile.mkdtemp(prefix="rollfleet-serve-model-")
+                # Owned like a private directory: if this process is killed before its fleet is up
+                # (and can remove it with itself, below), the next fleet's sweep removes it.
+                claim_private_dir(model_dir)
                 options["model"] = build_tiny_llama(model_dir)
             config = FleetConfig(engine=args.engine, engine_options=options, num_workers=args.workers,
                                  devices=_devices(args), frontend_addr=args.bind, start_timeout_s=args.start_timeout,

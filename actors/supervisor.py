@@ -312,6 +312,9 @@ class Supervisor:
                 path = ipc_path(self.frontend_address)
                 if path is not None:  # removed at shutdown if it is still this fleet's file
                     self._frontend_file = self._leftovers.frontend_file = (path, os.stat(path).st_ino)
+                    # ... and, if this process and its workers are killed together, by the next
+                    # fleet's sweep of this private directory (if no other fleet bound it since)
+                    remove_with(self.private_dir, path)
             if cfg.metrics_port is not None:
                 self._metrics = MetricsExporter(cfg.metrics_port)
             self._tasks = [asyncio.create_task(self._monitor_loop(), name="rollfleet-monitor")]

@@ -34,7 +34,7 @@ import psutil
 import torch
 
 from . import remote
-from .shm_names import PREFIX, SHM_DIR, list_segments, new_name, pid_alive, sweep_stale, unlink
+from .shm_names import PREFIX, SHM_DIR, OwnerLock, list_segments, new_name, pid_alive, sweep_stale, unlink
 from .shm_names import path_of as _path
 
 __all__ = ["ShmChannel", "Segments", "SHM_DIR", "PREFIX", "new_name", "create", "attach", "unlink", "list_segments",
@@ -93,6 +93,12 @@ class Segments:
         self.names = [new_name(i, self.token) for i in range(count)]
         self.buffers: list[torch.Tensor] = []
         self.named = True
+        # Held while the names are: a sweeper tells a dead creator by taking it (shm_names).
+        self._owner: OwnerLock | None = None
+        try:
+            self._owner = OwnerLock(self.token)
+        except OSError:  # no lock file: sweepers go by this process's pid instead
+            pass
         try:
             for name in self.names:
                 self.buffers.append(create(name, size))
@@ -110,6 +116,9 @@ class Segments:
             for name in self.names:
                 unlink(name)
             self.named = False
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
 
 
 # The segments kept between updates by this (sender) process, and whether an update uses them.

@@ -4,6 +4,7 @@ with a typed error; no orphan process, socket file or shared-memory segment rema
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -758,3 +759,69 @@ def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_keeps_its_health
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "kept", out.stderr[-3000:]
+
+
+IPC_FRONTEND_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from rollfleet.actors import FleetConfig, Supervisor
+
+    async def main():
+        config = FleetConfig(engine="echo", num_workers=1, private_dir_root=sys.argv[1],
+                             frontend_addr="ipc://" + sys.argv[2])
+        async with Supervisor(config) as sup:
+            print(sup.private_dir, *[h.pid for h in sup.workers.values()], flush=True)
+            await asyncio.sleep(3600)
+    asyncio.run(main())
+""")
+
+
+async def test_an_ipc_frontend_file_of_a_fleet_killed_with_its_workers_goes_with_its_private_dir(tmp_path):
+    # A job manager's SIGKILL to the whole process group leaves no process to remove the socket
+    # file a fleet bound for its clients outside its private directory: the next fleet's sweep of
+    # that directory does (only if no fleet has bound that path since).
+    front = tmp_path / "front.sock"
+    proc = subprocess.Popen([sys.executable, "-c", IPC_FRONTEND_SCRIPT, str(tmp_path), str(front)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        private_dir, *pids = proc.stdout.readline().split()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert await wait_for(lambda: not alive([int(p) for p in pids]), 10.0)
+        assert front.exists() and os.path.exists(private_dir)  # nobody was left to remove them
+        async with fleet(1, private_dir_root=str(tmp_path)):
+            assert not front.exists() and not os.path.exists(private_dir)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_the_model_serve_writes_for_vllm_goes_with_the_next_fleet_if_serve_is_killed_while_it_starts(tmp_path):
+    # `rollfleet serve --engine vllm` without --engine-option model writes a tiny model to a
+    # directory of its own before the fleet starts; killed outright (with its workers) before the
+    # fleet was up, it used to leave that directory for good.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "rollfleet", "serve", "--engine", "vllm", "--workers", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def model_written():
+            return [d for d in tmp_path.glob("rollfleet-serve-model-*") if (d / "config.json").exists()]
+        assert wait_until(lambda: bool(model_written()), timeout=120)
+        time.sleep(0.5)  # its weights are written; the fleet is starting
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        (model,) = model_written()
+        time.sleep(1.0)  # the group's processes are gone (the workers' reaping aside)
+
+        async def next_fleet():
+            async with fleet(1, private_dir_root=str(tmp_path)):
+                pass
+
+        asyncio.run(next_fleet())
+        assert not model.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -98,6 +98,31 @@ def test_sweep_removes_segments_of_dead_creators(procs, addr):
     assert leftovers  # nobody alive could unlink them
     removed = shm.sweep_stale()
     assert set(leftovers) <= set(removed) and shm.list_segments(sender.pid) == []
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"rf-{sender.pid}-")]  # its lock file too
+
+
+def test_sweep_tells_a_dead_creator_by_its_lock_not_by_its_pid():
+    # A creator that was pid 1 in a pid namespace sharing /dev/shm (a container restarted with the
+    # same /dev/shm), or whose pid was recycled: its pid runs (init here, the new fleet there), but
+    # nobody holds the lock it held while its segments were named, so they are a dead one's.
+    from rollfleet.weights.shm_names import lock_path
+
+    token = "0123456789abcdef"
+    dead = [f"rf-1-{token}-{i}" for i in range(2)]
+    for name in dead:
+        shm.create(name, 4096)
+    open(lock_path(1, token), "w").close()  # the lock file its creator held, the lock gone with it
+    live = shm.Segments(4096, 2)  # this process's: its lock is held, so they stay
+    try:
+        removed = shm.sweep_stale()
+        assert set(dead) <= set(removed) and not os.path.exists(lock_path(1, token))
+        assert set(live.names) <= set(shm.list_segments(os.getpid()))
+        assert os.path.exists(lock_path(os.getpid(), live.token))
+    finally:
+        for name in dead:
+            shm.unlink(name)
+        live.unlink_names()
+    assert not os.path.exists(lock_path(os.getpid(), live.token))  # dropped with the names
 
 
 def test_segments_of_a_sender_killed_with_its_receivers_go_when_the_next_fleet_starts(procs, addr, tmp_path):
