@@ -111,8 +111,9 @@ class FleetConfig:
     max_client_message_bytes: int = 64 << 20
     """Largest message header a client may send (a larger one is answered too_large without
     being decoded): decoding one blocks the supervisor's loop, some 25 ms per MiB of token
-    ids on a 2-core VM (decoded, checked and sent on: 0.4 s for 17 MiB). 64 MiB holds prompts of over 10 million tokens. A value above ``max_message_bytes`` is
-    taken as that: a bigger frame never reaches the fleet (ZeroMQ drops its sender)."""
+    ids on a 2-core VM (decoded, checked and sent on: 0.4 s for 17 MiB). 64 MiB holds prompts
+    of over 10 million tokens. A value above ``max_message_bytes`` is taken as that: a bigger
+    frame never reaches the fleet (ZeroMQ drops its sender)."""
     client_send_hwm: int = 100_000
     """Most messages waiting to go out to one client (a batch counts once). A client that
     stops reading past this is treated as gone: its requests are cancelled on the workers

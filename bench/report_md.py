@@ -237,7 +237,7 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             f"**The bottleneck is the machine's {cores} cores, in bursts, not the supervisor**: on average "
             f"{busy:.2f} of them were busy and the loop had {max(1 - loop, 0):.0%} of a core to spare, but the "
             f"loop, ready to run, waited {m.get(f'supervisor_loop_wait_{top}w', 0):.2f} of the time for a core "
-            "that the workers held. More workers on the same cores only share them.")
+            "that other processes held (the workers, mostly). More workers on the same cores only share them.")
     elif where.startswith("machine cores"):
         others = max(busy - sup - work, 0.0)
         text.append(
