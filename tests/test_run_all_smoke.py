@@ -198,12 +198,18 @@ def test_report_compares_against_baselines_and_marks_each_machine(tmp_path):
     assert "`bench_weights`: not run: no readable JSON" in text
 
 
-def test_report_units_follow_what_each_key_measures():
+def report_md():
+    """bench/report_md.py, imported the way bench scripts import it (bench/ is not a package)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
-        from report_md import fmt
+        import report_md as module
     finally:
         sys.path.pop(0)
+    return module
+
+
+def test_report_units_follow_what_each_key_measures():
+    fmt = report_md().fmt
     assert fmt("paced_tokens_per_s", 200.0) == "200 tok/s"  # a rate, not seconds
     assert fmt("useful_per_cpu_s_resume", 2553.0) == "2,553 tok/CPU-s"
     assert fmt("update_s_4w", 0.5) == "0.5 s"
@@ -214,11 +220,8 @@ def test_report_units_follow_what_each_key_measures():
 
 
 def test_report_shows_counts_as_counts_and_ratios_that_agree_with_their_goal():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        from report_md import Row, fmt, ratio_text, value_text
-    finally:
-        sys.path.pop(0)
+    r = report_md()
+    Row, fmt, ratio_text, value_text = r.Row, r.fmt, r.ratio_text, r.value_text
     assert fmt("max_tokens", 64) == "64" and fmt("completed_resume", 1234) == "1,234"
     row = Row(label="x", key="k", baseline="b", goal=(">=", 0.95))
     # 0.9454 misses >= 0.95: it must not be shown rounded up to 0.95x next to "no".
@@ -271,11 +274,7 @@ def test_every_link_of_a_report_written_outside_bench_resolves(tmp_path):
     ("supervisor event loop", "The supervisor is the bottleneck"),
 ])
 def test_the_bottleneck_paragraph_says_every_core_was_busy_only_when_they_were(where, says):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        from report_md import bottleneck_text
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
+    bottleneck_text = report_md().bottleneck_text
     busy = 1.71 if "waits" in where else 1.95
     m = {"machine_cores": 2, "rps_1w": 30000.0, "supervisor_loop_cpu_1w": 0.7, "supervisor_cpu_1w": 0.9,
          "workers_cpu_1w": 0.7, "machine_busy_1w": busy, "supervisor_loop_wait_1w": 0.22, "bottleneck_1w": where}

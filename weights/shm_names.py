@@ -40,17 +40,25 @@ def path_of(name: str) -> str:
 
 def unlink(name: str) -> bool:
     """Remove a segment's name (mappings stay valid). False if it was already gone. The last
-    of its set to go takes the set's lock file with it when nobody holds the lock (a receiver
-    unlinking what a dead sender offered)."""
-    try:
-        os.unlink(path_of(name))
-    except FileNotFoundError:
+    of another process's set to go takes the set's lock file with it when nobody holds the lock
+    (a receiver unlinking what a dead sender offered); this process's own sets drop theirs with
+    their OwnerLock."""
+    if not _unlink_name(name):
         return False
     pid, token = _NAME.match(name).groups()  # type: ignore[union-attr]
     lock = lock_path(int(pid), token)
-    if os.path.exists(lock) and not list_segments(int(pid), token) and _holder_gone(lock):
+    if int(pid) != os.getpid() and os.path.exists(lock) and not list_segments(int(pid), token) \
+            and _holder_gone(lock):
         _unlink_quietly(lock)
     return True
+
+
+def _unlink_name(name: str) -> bool:
+    try:
+        os.unlink(path_of(name))
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def lock_path(pid: int, token: str) -> str:
@@ -155,7 +163,7 @@ def sweep_stale() -> list[str]:
             gone = _holder_gone(lock_path(int(pid), token))
             if gone is None:
                 gone = not pid_alive(int(pid))
-            if gone and unlink(name):
+            if gone and _unlink_name(name):  # (their lock files go in the pass below)
                 removed.append(name)
         except OSError:  # gone meanwhile, or not ours to unlink
             continue
