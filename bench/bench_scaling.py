@@ -43,6 +43,12 @@ as examples/torchrun_rl.py runs a fleet per rank. Same workers and requests in f
 the supervisor's work is spread over K loops. Requests/s is every rank's calls over the time
 until the last rank finished; each round makes at least 20,000 calls in all.
 
+Paced ranks: the largest engine-paced fleet again as K ranks (the ``--ranks`` that divide it, when
+two or more do), each a process with a fleet of its own of workers / K paced workers and a full
+batch of each in flight: the same engines and requests, each round of results shared out over K
+loops instead of worked through by one. In turns, like the ranks; ``--paced-batches`` rounds of
+full batches each.
+
 Clients: the same fleet size as one fleet fed through its frontend by K client processes
 (``--clients``, default 1, 2, 4; ``--quick`` 1, 2), each a RemoteClient with window / K in flight,
 as agent-loop processes would share one fleet: the supervisor's loop routes every request and
@@ -102,10 +108,20 @@ calls, ranks, client processes and their in-process baseline; the goal's figure)
 ``paced_loop_cpu_{n}w``, ``paced_workers_cpu_{n}w``, ``paced_machine_busy_{n}w``,
 ``paced_loop_us_per_req_{n}w``, ``paced_bottleneck_{n}w``, ``paced_worker_p50_ms_{n}w`` (a request's
 time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
-``paced_outside_p99_ms_{n}w`` (its latency less that: the fleet's share), ``paced_loop_wait_{n}w``
+``paced_outside_p99_ms_{n}w``, ``paced_outside_mean_ms_{n}w`` (its latency less that: the fleet's
+share; a lane's cycle is its time on the worker plus this, so the mean sets the rate),
+``paced_caller_wait_ms_{n}w`` (mean: a call's latency less its result's ``timings["total"]``, the
+time from its arrival at the supervisor to its result: how long a finished request waited for
+its caller to run on the loop), ``paced_loop_round_ms_{n}w`` (the loop's CPU for one round of every
+request in flight, ``paced_loop_us_per_req_{n}w`` x workers x ``--paced-running``: the loop works
+through results that come close together one by one), ``paced_loop_wait_{n}w``
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
-``paced_loop_ceiling_workers`` (workers of this kind one loop could feed), and the pacing:
+``paced_loop_ceiling_workers`` (workers of this kind one loop could feed); paced ranks:
+``paced_ranks_workers`` (the paced workers in all), ``paced_ranks_max`` (the most ranks run),
+``paced_ranks_rps_{k}r``, ``paced_ranks_vs_capacity_{k}r`` (of the same engines' capacity),
+``paced_ranks_outside_mean_ms_{k}r`` (mean time outside a worker, every rank's calls),
+``paced_ranks_loop_cpu_max_{k}r`` (the busiest rank's loop, cores); and the pacing:
 ``paced_running``, ``paced_tokens_per_s``, ``paced_tokens``, ``paced_step_tokens``,
 ``paced_worker_nice``, ``paced_report_interval_s``; running: ``running_requests``,
 ``running_workers``, per report interval in ms: ``running_loop_cpu_{ms}ms`` (cores),
@@ -246,11 +262,14 @@ def bottleneck(cpu: dict[str, float], cores: int) -> str:
 
 
 async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
-                params: SamplingParams = PARAMS,
-                outside: list[float] | None = None) -> tuple[float, list[float]]:
+                params: SamplingParams = PARAMS, outside: list[float] | None = None,
+                caller: list[float] | None = None) -> tuple[float, list[float]]:
     """n calls with ``window`` in flight; returns (requests/s, latency of each call in us).
     ``outside``, when given, gets each call's latency less the time its result says it spent
-    on workers (``timings["worker"]``): the fleet's share, in us."""
+    on workers (``timings["worker"]``): the fleet's share, in us. ``caller`` gets each call's
+    latency less the time the supervisor held the request (``timings["total"]``, from its
+    arrival to its result): how long the finished request then waited for its caller to run
+    on the loop, in us."""
     left = n
     lat: list[float] = []
     ids = itertools.count()
@@ -265,6 +284,8 @@ async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untype
             lat.append(us)
             if outside is not None:
                 outside.append(us - r.timings.get("worker", 0.0) * 1e6)
+            if caller is not None:
+                caller.append(us - r.timings["total"] * 1e6)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(min(window, n))))
@@ -276,7 +297,7 @@ async def metered_flood(sup: Supervisor, client, into: dict, n: int, window: int
     """One flood with the CPU meter running; its rate, latencies and CPU go into ``into``."""
     meter = CpuMeter(sup)
     meter.start()
-    rps, lat = await flood(client, n, window, tag, params, into.get("outside"))
+    rps, lat = await flood(client, n, window, tag, params, into.get("outside"), into.get("caller"))
     into["cpu"].append(meter.stop())
     into["rps"].append(rps)
     into["lat"] += lat
@@ -314,6 +335,8 @@ def totals(f: dict, cores: int) -> None:
         # each call's time on its worker: its latency less the fleet's share
         f["worker"] = summarize([total - fleet for total, fleet in zip(f["lat"], f["outside"])])
         f["outside"] = summarize(f["outside"])
+    if "caller" in f:
+        f["caller"] = summarize(f["caller"])
     f["lat"] = summarize(f["lat"])
     f["bottleneck"] = bottleneck(f["cpu"], cores)
 
@@ -358,9 +381,13 @@ async def fleets_in_turns(sizes: dict, cores: int) -> dict:
     return out
 
 
-def paced_options(sizes: dict) -> dict:
-    p = sizes["paced"]
-    return {"tokens_per_s": p["tokens_per_s"], "max_running": p["running"], "step_tokens": p["step_tokens"]}
+def paced_config(p: dict, n: int) -> FleetConfig:
+    """A fleet of n echo workers paced as ``p`` (``sizes["paced"]``) says."""
+    # worker_nice: the workers yield a shared core to the supervisor (and the client)
+    return FleetConfig(engine="echo", num_workers=n, frontend_addr=None, start_timeout_s=300,
+                       engine_options={"tokens_per_s": p["tokens_per_s"], "max_running": p["running"],
+                                       "step_tokens": p["step_tokens"]},
+                       worker_nice=p["worker_nice"], report_interval_s=p["report_interval_s"])
 
 
 def paced_capacity(sizes: dict, n: int) -> float:
@@ -381,12 +408,8 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
     async with contextlib.AsyncExitStack() as stack:
         sups = {}
         for n in sizes["workers"]:
-            # worker_nice: the workers yield a shared core to the supervisor (and the client)
-            config = FleetConfig(engine="echo", num_workers=n, engine_options=paced_options(sizes),
-                                 frontend_addr=None, start_timeout_s=300, worker_nice=p["worker_nice"],
-                                 report_interval_s=p["report_interval_s"])
-            sups[n] = await stack.enter_async_context(Supervisor(config))
-            out[n] = {"rps": [], "lat": [], "cpu": [], "outside": []}
+            sups[n] = await stack.enter_async_context(Supervisor(paced_config(p, n)))
+            out[n] = {"rps": [], "lat": [], "cpu": [], "outside": [], "caller": []}
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():  # warm-up: one batch per worker
             await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
@@ -454,26 +477,34 @@ async def running_in_turns(sizes: dict) -> dict:
     return out
 
 
-async def rank_main(workers: int, window: int) -> None:
-    """One rank of a job that runs a fleet per rank (``--rank-worker``, started by ranks_in_turns):
-    its own supervisor, no-model echo workers and in-process client. Says ``{"ready": ...}`` on
-    stdout once warm; then for each ``go N`` line on stdin floods N calls and answers with one
-    JSON line (rate, latencies, CPU seconds); ends on ``exit`` or end of input."""
-    config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
-                         frontend_addr=None, start_timeout_s=300)
+async def rank_main(workers: int, window: int, paced: dict | None = None) -> None:
+    """One rank of a job that runs a fleet per rank (``--rank-worker``, started by ranks_in_turns
+    and paced_ranks_in_turns): its own supervisor, echo workers (no model; or paced as ``paced``
+    says, ``--rank-paced``) and in-process client. Says ``{"ready": ...}`` on stdout once warm;
+    then for each ``go N`` line on stdin floods N calls and answers with one JSON line (rate,
+    latencies, CPU seconds; paced, each call's time outside its worker too); ends on ``exit`` or
+    end of input."""
+    if paced is None:
+        config = FleetConfig(engine="echo", num_workers=workers, engine_options={"tokens_per_s": 0},
+                             frontend_addr=None, start_timeout_s=300)
+        params, warm = PARAMS, 1000
+    else:
+        config, params, warm = paced_config(paced, workers), SamplingParams(max_tokens=paced["tokens"]), window
     loop = asyncio.get_running_loop()
     async with Supervisor(config) as sup:
         client = sup.client()
-        await flood(client, 1000, window, "warm")
+        await flood(client, warm, window, "warm", params)
         print(json.dumps({"ready": workers}), flush=True)
         for turn in itertools.count():
             line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
             if len(line) != 2 or line[0] != "go":
                 return
-            f: dict = {"rps": [], "lat": [], "cpu": []}
-            await metered_flood(sup, client, f, int(line[1]), window, f"t{turn}")
-            print(json.dumps({"rps": f["rps"][0], "cpu": f["cpu"][0], "lat": [round(x, 1) for x in f["lat"]]}),
-                  flush=True)
+            f: dict = {"rps": [], "lat": [], "cpu": [], **({} if paced is None else {"outside": []})}
+            await metered_flood(sup, client, f, int(line[1]), window, f"t{turn}", params)
+            answer = {"rps": f["rps"][0], "cpu": f["cpu"][0], "lat": [round(x, 1) for x in f["lat"]]}
+            if paced is not None:
+                answer["outside"] = [round(x, 1) for x in f["outside"]]
+            print(json.dumps(answer), flush=True)
 
 
 async def start_children(argvs: list[list[str]]) -> list:
@@ -534,6 +565,8 @@ def finish_layouts(out: dict, cores: int) -> None:
         f["cpu"] = cores_used(f["cpu"])
         f["rps"] = statistics.median(f["rps"])
         f["lat"] = summarize(f["lat"])
+        if f.get("outside"):
+            f["outside"] = summarize(f["outside"])
         f["bottleneck"] = bottleneck(f["cpu"], cores)
 
 
@@ -544,25 +577,27 @@ def layout_calls(sizes: dict, k: int) -> int:
 
 
 async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, metered,  # type: ignore[no-untyped-def]
-                           also=None) -> dict:
+                           also=None, calls_of=None) -> dict:
     """Each layout K runs K child processes (``argv(K)``: their command line, a hidden mode of
     this script); then rounds of floods by each layout's children, the layouts in turns like
     the fleet sizes; ``metered(children, calls)`` runs one round and returns the children's
     answers and the round's CPU seconds (with its wall time). ``also(round)``, when given, runs
-    once per round after the layouts' turns (a baseline measured in turns with them). Summed up
+    once per round after the layouts' turns (a baseline measured in turns with them);
+    ``calls_of(K)``, when given, is each child's calls a round (else ``layout_calls``). Summed up
     per layout; no child outlives it."""
-    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": []} for k in layouts}
+    out: dict[int, dict] = {k: {"rps": [], "lat": [], "cpu": [], "outside": []} for k in layouts}
     procs: dict[int, list] = {}
     try:
         for k in layouts:
             procs[k] = await start_children([argv(k)] * k)
         for r in range(ROUNDS):
             for k, ps in procs.items():
-                calls = layout_calls(sizes, k)
+                calls = layout_calls(sizes, k) if calls_of is None else calls_of(k)
                 answers, cpu = await metered(ps, calls)
                 f = out[k]
                 f["rps"].append(calls * k / cpu["wall"])
                 f["lat"] += [x for a in answers for x in a["lat"]]
+                f["outside"] += [x for a in answers for x in a.get("outside", ())]
                 f["cpu"].append(cpu)
             if also is not None:
                 await also(r)
@@ -572,31 +607,55 @@ async def layouts_in_turns(layouts: list[int], argv, sizes: dict, cores: int, me
     return out
 
 
+async def metered_ranks(ps: list, calls: int) -> tuple[list[dict], dict]:
+    """One round of every rank's flood, with the machine's CPU and each rank's own."""
+    machine = psutil.cpu_times()
+    t = time.perf_counter()
+    answers = await go_round(ps, calls)
+    wall = time.perf_counter() - t
+    return answers, {"wall": wall, "machine": machine_busy_s(machine, psutil.cpu_times()),
+                     # the busiest rank's loop, as a share of its own flood's time
+                     "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
+                     "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
+                     "workers": sum(a["cpu"]["workers"] for a in answers)}
+
+
 async def ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
     """``workers`` no-model echo workers as K ranks of a job (K in ``sizes["ranks"]``), each rank a
     process with a fleet of its own of workers / K and its own flood of window / K in flight, as
     in examples/torchrun_rl.py: the requests in flight and the workers in all stay the same, the
     supervisor's work is spread over K loops. The layouts run in turns like the fleet sizes."""
 
-    async def metered(ps: list, calls: int) -> tuple[list[dict], dict]:
-        machine = psutil.cpu_times()
-        t = time.perf_counter()
-        answers = await go_round(ps, calls)
-        wall = time.perf_counter() - t
-        return answers, {"wall": wall, "machine": machine_busy_s(machine, psutil.cpu_times()),
-                         # the busiest rank's loop, as a share of its own flood's time
-                         "loop": max(a["cpu"]["loop"] / max(a["cpu"]["wall"], 1e-9) for a in answers) * wall,
-                         "supervisor": sum(a["cpu"]["supervisor"] for a in answers),
-                         "workers": sum(a["cpu"]["workers"] for a in answers)}
-
     def argv(k: int) -> list[str]:
         return ["--rank-worker", str(workers // k), "--window", str(max(1, sizes["window"] // k))]
 
-    out = await layouts_in_turns(sizes["ranks"], argv, sizes, cores, metered)
+    out = await layouts_in_turns(sizes["ranks"], argv, sizes, cores, metered_ranks)
     for k, f in out.items():
         print(f"{workers:>3} workers as {k} rank{'s' if k > 1 else ''}: {f['rps']:,.0f} req/s, p99 "
               f"{f['lat']['p99']:,.0f} us, busiest loop {f['cpu']['loop']:.2f} cores, machine "
               f"{f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+    return out
+
+
+async def paced_ranks_in_turns(sizes: dict, cores: int, workers: int) -> dict:
+    """The largest engine-paced fleet (``workers``) again as K ranks (K in ``sizes["ranks"]`` that
+    divide it), each rank a process with a fleet of its own of workers / K paced workers and
+    exactly a full batch of each in flight: the same engines and requests, each round of
+    results shared out over K loops instead of worked through by one."""
+    p = sizes["paced"]
+
+    def argv(k: int) -> list[str]:
+        per = workers // k
+        return ["--rank-worker", str(per), "--window", str(per * p["running"]), "--rank-paced", json.dumps(p)]
+
+    out = await layouts_in_turns(sizes["ranks"], argv, sizes, cores, metered_ranks,
+                                 calls_of=lambda k: workers // k * p["running"] * p["batches"])
+    capacity = paced_capacity(sizes, workers)
+    for k, f in out.items():
+        f["capacity"] = capacity
+        print(f"{workers:>3} paced workers as {k} rank{'s' if k > 1 else ''}: {f['rps']:,.0f} req/s of "
+              f"{capacity:,.0f}, {f['outside']['mean'] / 1e3:,.1f} ms outside a worker on average, busiest loop "
+              f"{f['cpu']['loop']:.2f} cores, machine {f['cpu']['machine']:.2f}", flush=True)
     return out
 
 
@@ -716,7 +775,7 @@ async def updates_in_turns(sizes: dict) -> tuple[dict, float]:
     return out, memcpy
 
 
-async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict, dict, float]:
+async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict, dict, dict, float]:
     fleets = await fleets_in_turns(sizes, cores)
     ranks: dict = {}
     clients: dict = {}
@@ -732,16 +791,21 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
         else:
             print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
+    paced_ranks: dict = {}
+    layouts = [k for k in sizes["ranks"] if paced and max(paced) % k == 0]
+    if len(layouts) > 1:
+        paced_ranks = {"workers": max(paced),
+                       "by_ranks": await paced_ranks_in_turns(dict(sizes, ranks=layouts), cores, max(paced))}
     running = await running_in_turns(sizes) if sizes["running"]["intervals"] else {}
     if not sizes["receivers"]:
-        return fleets, ranks, clients, paced, running, {}, 0.0
+        return fleets, ranks, clients, paced, paced_ranks, running, {}, 0.0
     updates, memcpy = await updates_in_turns(sizes)
-    return fleets, ranks, clients, paced, running, updates, memcpy
+    return fleets, ranks, clients, paced, paced_ranks, running, updates, memcpy
 
 
 
-def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, running: dict, updates: dict,
-            memcpy: float) -> dict:
+def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, paced_ranks: dict, running: dict,
+            updates: dict, memcpy: float) -> dict:
     m: dict = {"window": sizes["window"], "num_tput_calls": sizes["tput"], "weights_mb": sizes["weights_mb"],
                "bucket_mb": sizes["bucket_mb"]}
     for n, f in fleets.items():
@@ -803,6 +867,12 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         m[f"paced_worker_p50_ms_{n}w"] = f["worker"]["p50"] / 1e3
         m[f"paced_outside_p50_ms_{n}w"], m[f"paced_outside_p99_ms_{n}w"] = (f["outside"]["p50"] / 1e3,
                                                                           f["outside"]["p99"] / 1e3)
+        # Throughput follows the mean: a lane's cycle is its time on the worker plus this.
+        m[f"paced_outside_mean_ms_{n}w"] = f["outside"]["mean"] / 1e3
+        m[f"paced_caller_wait_ms_{n}w"] = f["caller"]["mean"] / 1e3
+        # The loop's CPU for one round of every request in flight (each worker's full batch):
+        # when a round's results come close together, the loop works through them one by one.
+        m[f"paced_loop_round_ms_{n}w"] = m[f"paced_loop_us_per_req_{n}w"] * n * sizes["paced"]["running"] / 1e3
         if "loop_wait" in f["cpu"]:
             m[f"paced_loop_wait_{n}w"] = f["cpu"]["loop_wait"]
     if paced:
@@ -817,6 +887,13 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         # How many such workers one loop could feed, from its CPU per request at the largest fleet.
         ceiling = paced[top]["num_calls"] / max(paced[top]["cpu_s"]["loop"], 1e-9)
         m["paced_loop_ceiling_workers"] = ceiling / paced_capacity(sizes, 1)
+    if paced_ranks:
+        by = paced_ranks["by_ranks"]
+        m["paced_ranks_workers"], m["paced_ranks_max"] = paced_ranks["workers"], max(by)
+        for k, f in by.items():
+            m[f"paced_ranks_rps_{k}r"], m[f"paced_ranks_vs_capacity_{k}r"] = f["rps"], f["rps"] / f["capacity"]
+            m[f"paced_ranks_outside_mean_ms_{k}r"] = f["outside"]["mean"] / 1e3
+            m[f"paced_ranks_loop_cpu_max_{k}r"] = f["cpu"]["loop"]
     if running:
         r = sizes["running"]
         m["running_requests"], m["running_workers"] = r["workers"] * r["per_worker"], r["workers"]
@@ -1003,10 +1080,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="Workers in all for the ranks and clients runs (default: the fleet size of 2 or more "
                              "whose loop was busiest).")
     parser.add_argument("--rank-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-paced", help=argparse.SUPPRESS)
     parser.add_argument("--client-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_worker:
-        run_loop(rank_main(args.rank_worker, args.window))
+        run_loop(rank_main(args.rank_worker, args.window, json.loads(args.rank_paced) if args.rank_paced else None))
         return 0
     if args.client_of:
         run_loop(client_main(args.client_of, args.window))
@@ -1076,8 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()  # before the run: the load average is other work, not ours
     cores = machine["machine_cores"]
     t0 = time.perf_counter()
-    fleets, ranks, clients, paced, running, updates, memcpy = run_loop(measure(sizes, cores))
-    m = metrics(sizes, fleets, ranks, clients, paced, running, updates, memcpy)
+    fleets, ranks, clients, paced, paced_ranks, running, updates, memcpy = run_loop(measure(sizes, cores))
+    m = metrics(sizes, fleets, ranks, clients, paced, paced_ranks, running, updates, memcpy)
     m["quick"] = args.quick
     m["elapsed_s"] = time.perf_counter() - t0
     m.update(machine)
@@ -1128,16 +1206,26 @@ def main(argv: list[str] | None = None) -> int:
         p = sizes["paced"]
         print()
         print_table(["workers", "req/s", "capacity req/s", "of capacity", "p50 ms", "p99 ms", "on a worker p50 ms",
-                     "outside p50 ms", "outside p99 ms", "loop cores", "loop waits", "workers cores", "machine busy",
-                     "loop us/req", "bottleneck"],
+                     "outside p50 ms", "outside p99 ms", "outside mean ms", "caller wait ms", "loop cores",
+                     "loop waits", "workers cores", "machine busy", "loop us/req", "loop ms per round", "bottleneck"],
                     [(n, f["rps"], f["capacity"], f["rps"] / f["capacity"], f["lat"]["p50"] / 1e3,
                       f["lat"]["p99"] / 1e3, f["worker"]["p50"] / 1e3, f["outside"]["p50"] / 1e3,
-                      f["outside"]["p99"] / 1e3, f["cpu"]["loop"], f["cpu"].get("loop_wait"), f["cpu"]["workers"],
-                      f["cpu"]["machine"], m[f"paced_loop_us_per_req_{n}w"], f["bottleneck"])
+                      f["outside"]["p99"] / 1e3, m[f"paced_outside_mean_ms_{n}w"], m[f"paced_caller_wait_ms_{n}w"],
+                      f["cpu"]["loop"], f["cpu"].get("loop_wait"), f["cpu"]["workers"], f["cpu"]["machine"],
+                      m[f"paced_loop_us_per_req_{n}w"], m[f"paced_loop_round_ms_{n}w"], f["bottleneck"])
                      for n, f in sorted(paced.items())],
                     title=f"engine-paced echo fleet: {p['running']} requests at once per worker, "
                           f"{p['tokens_per_s']:g} tokens/s each, {p['tokens']} tokens a request; one loop "
                           f"could feed ~{m['paced_loop_ceiling_workers']:,.0f} such workers")
+    if paced_ranks:
+        print()
+        print_table(["ranks", "workers each", "req/s", "of capacity", "outside mean ms", "p99 ms", "busiest loop cores",
+                     "machine busy"],
+                    [(k, paced_ranks["workers"] // k, f["rps"], f["rps"] / f["capacity"], f["outside"]["mean"] / 1e3,
+                      f["lat"]["p99"] / 1e3, f["cpu"]["loop"], f["cpu"]["machine"])
+                     for k, f in sorted(paced_ranks["by_ranks"].items())],
+                    title=f"the {paced_ranks['workers']} paced workers as K ranks, each a process with a fleet and a "
+                          f"loop of its own")
     if running:
         print()
         print_table(["report every s", "running requests", "loop cores", "loop us per request per report",

@@ -300,6 +300,20 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             + (f". Below 0.9 of the capacity at {p} workers, and neither the loop nor the machine saturated on "
                f"average (machine busy {m.get(f'paced_machine_busy_{p}w', 0):.2f} of its {cores} cores)."
                if where == "none saturated" else f"; the limit at {p} workers: {where}."))
+        if f"paced_outside_mean_ms_{p}w" in m:  # (not in JSON from older scripts)
+            text.append(
+                f"Outside its worker a request spent {listed(m, 'paced_outside_mean_ms_{}w', ps, '.1f')} ms on "
+                f"average with {', '.join(map(str, ps))} workers; of that, finished, it waited "
+                f"{listed(m, 'paced_caller_wait_ms_{}w', ps, '.1f')} ms for its caller to run on the loop. One round "
+                f"of every request in flight cost the loop {listed(m, 'paced_loop_round_ms_{}w', ps, '.0f')} ms of "
+                "CPU: results that come close together wait for the loop to work through those before them.")
+        rs = sizes_in(m, "paced_ranks_rps_", "r")
+        if len(rs) > 1 and "paced_ranks_workers" in m:
+            text.append(
+                f"The same {m['paced_ranks_workers']} paced workers as {', '.join(map(str, rs))} ranks (a fleet and a "
+                f"loop each) delivered {listed(m, 'paced_ranks_vs_capacity_{}r', rs, '.2f')} of their capacity, a "
+                f"request spending {listed(m, 'paced_ranks_outside_mean_ms_{}r', rs, '.1f')} ms outside its worker on "
+                "average.")
     if "running_loop_cpu_500ms" in m and "running_loop_cpu_50ms" in m:
         text.append(
             f"With {m['running_requests']:,} long requests running on {m['running_workers']} workers and none "

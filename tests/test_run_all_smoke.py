@@ -62,8 +62,19 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         # the fleet's, which cannot be less than nothing.
         assert metrics[f"paced_worker_p50_ms_{n}w"] >= 80
         assert 0 <= metrics[f"paced_outside_p50_ms_{n}w"] <= metrics[f"paced_outside_p99_ms_{n}w"]
+        # A finished request's wait for its caller is part of its time outside the worker (the
+        # supervisor held it at least as long as the worker did); 0.01 ms for the clocks' rounding.
+        assert -0.01 <= metrics[f"paced_caller_wait_ms_{n}w"] <= metrics[f"paced_outside_mean_ms_{n}w"] + 0.01
+        assert metrics[f"paced_loop_round_ms_{n}w"] == pytest.approx(metrics[f"paced_loop_us_per_req_{n}w"] * n * 8 / 1e3)
         assert 0 <= metrics.get(f"paced_loop_wait_{n}w", 0) <= 1.05
     assert metrics["paced_loop_ceiling_workers"] > 0
+    # The 2 paced workers again as 1 and as 2 ranks: the same engines' capacity in both.
+    assert metrics["paced_ranks_workers"] == 2 and metrics["paced_ranks_max"] == 2
+    for k in (1, 2):
+        assert 0.3 < metrics[f"paced_ranks_vs_capacity_{k}r"] <= 1.02
+        assert metrics[f"paced_ranks_vs_capacity_{k}r"] == pytest.approx(metrics[f"paced_ranks_rps_{k}r"] / 200)
+        assert metrics[f"paced_ranks_outside_mean_ms_{k}r"] >= 0
+        assert 0 < metrics[f"paced_ranks_loop_cpu_max_{k}r"] <= 1.05
     # 256 requests running, none finishing: reported every 0.05 s, ten times as many reports
     # reach the loop as every 0.5 s, and it spends more on them.
     assert metrics["running_requests"] == 256 and metrics["running_workers"] == 2
