@@ -83,7 +83,8 @@ def tail(path: str, max_bytes: int = 4000) -> str:
 # processes when they end cleanly, and left in /dev/shm when they are killed. An engine
 # lists such names in ``<private dir>/shm-<its pid>.list`` (one per line); whoever sees that
 # process gone (the engine itself after reaping its children, the supervisor after a worker
-# died, or at shutdown) unlinks them.
+# died, or at shutdown, the next supervisor's sweep of a dead fleet's private directory)
+# unlinks them.
 # Intel's OpenMP runtime (libiomp5, which vLLM's CPU guide has users preload) registers each
 # process that loads it as ``__KMP_REGISTERED_LIB_<pid>_<uid>`` and unlinks that at a normal
 # exit only: see kmp_names.
@@ -99,17 +100,30 @@ def kmp_names(pids: list[int]) -> set[str]:
 
 
 def shm_names_mapped(pids: list[int]) -> set[str]:
-    """Multiprocessing shared-memory names (see SHM_PREFIXES) that ``pids`` have mapped."""
+    """Multiprocessing shared-memory names (see SHM_PREFIXES) that ``pids`` have mapped.
+
+    Found by file (inode), not by the path a mapping shows: glibc's sem_open makes a semaphore
+    as a temporary file that it maps and then links as ``sem.mp-*``, so its creator's mapping
+    reads ``sem.XXXXXX (deleted)``; only processes that opened it later show its name.
+    """
+    inodes = _shm_inodes_mapped(pids)
+    try:
+        with os.scandir(SHM_DIR) as entries:
+            return {e.name for e in entries if e.name.startswith(SHM_PREFIXES) and e.inode() in inodes}
+    except OSError:
+        return set()
+
+
+def _shm_inodes_mapped(pids: list[int]) -> set[int]:
     out = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    path = line.rstrip("\n").split(None, 5)[-1]
-                    name = os.path.basename(path)
-                    if path.startswith(SHM_DIR + "/") and name.startswith(SHM_PREFIXES) and " " not in name:
-                        out.add(name)
-        except OSError:
+                    fields = line.split(None, 5)  # address perms offset dev inode path
+                    if len(fields) == 6 and fields[5].startswith(SHM_DIR + "/"):
+                        out.add(int(fields[4]))
+        except (OSError, ValueError):
             continue  # gone, or not ours to read
     return out
 

@@ -221,7 +221,10 @@ class VllmEngine(Engine):
         # the supervisor finds them if this process is killed (actors/process.py).
         pids = [p.pid for p in self._children]
         self._shm_names = shm_names_mapped(pids) | kmp_names(pids)  # killed children leave both
-        self._shm_list = record_shm(private, self._shm_names)
+        # This process's own too: killed with its supervisor (the whole job's process group),
+        # it leaves nobody else who knows its pid to unlink its OpenMP registration.
+        own = shm_names_mapped([os.getpid()]) | kmp_names([os.getpid()])
+        self._shm_list = record_shm(private, self._shm_names | own)
         logger.info("vllm engine started: model %s, %d child processes", opts["model"], len(self._children))
 
     def _engine_args(self, cuda: bool) -> dict[str, Any]:

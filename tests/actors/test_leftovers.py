@@ -8,7 +8,8 @@ import sys
 import psutil
 import pytest
 
-from rollfleet.actors.process import is_resource_tracker, kill_tree, record_shm, shm_names_now, sweep_shm_lists
+from rollfleet.actors.process import (is_resource_tracker, kill_tree, record_shm, shm_names_mapped, shm_names_now,
+                                      sweep_shm_lists)
 
 from ..helpers import wait_until
 
@@ -55,6 +56,19 @@ def test_names_listed_by_a_killed_engine_process_are_unlinked_by_the_sweep(tmp_p
     record = tmp_path / f"shm-{2 ** 22 + 12345}.list"
     record.write_text("rf-1-0000000000000000-0\n../etc/passwd\npsm_/x\n")
     assert sweep_shm_lists(str(tmp_path), everything=True) == [] and not record.exists()
+
+
+def test_the_names_a_process_made_itself_are_among_those_it_maps():
+    # glibc makes a semaphore under a temporary name and links it as sem.mp-* afterwards: its
+    # creator's mapping shows only the temporary name (vLLM's model worker makes one, tqdm's
+    # lock, and nobody else opens it), so it went unlisted and outlived a killed job.
+    child, seg, sem = start_child()
+    try:
+        assert {seg, sem} <= shm_names_mapped([child.pid])
+    finally:
+        kill_tree(child.pid, spare=is_resource_tracker)  # its tracker unlinks both
+        child.wait(10)
+    assert wait_until(lambda: not ({seg, sem} & shm_names_now()))
 
 
 def test_a_spared_resource_tracker_unlinks_what_the_killed_processes_registered(tmp_path):

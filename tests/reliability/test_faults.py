@@ -647,6 +647,71 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
         shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memory_after_the_next_fleet(tmp_path):
+    # A job manager's SIGKILL to the group takes the supervisor, the worker, vLLM's processes and
+    # their resource tracker at once: nobody is left to unlink what they shared. The next fleet
+    # started in the same place sweeps what the dead fleet's engine listed; that list missed the
+    # semaphore vLLM's model worker makes (its creator maps it under another name) and the
+    # worker's own OpenMP registration.
+    pytest.importorskip("vllm")
+    import psutil
+
+    from rollfleet.actors.process import SHM_PREFIXES
+
+    def shm() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+
+    env = {"LD_PRELOAD": IOMP} if os.path.exists(IOMP) else {}
+    script = tmp_path / "fleet.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.engines.tiny import build_tiny_llama
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            path = build_tiny_llama({str(tmp_path / "model")!r})
+            config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240, worker_env={env!r},
+                                 engine_options={{"model": path, "dtype": "float32"}})
+            async with Supervisor(config) as sup:
+                await sup.client().generate("a", [1, 2, 3], SamplingParams(max_tokens=4))
+                print(sup.private_dir, flush=True)
+                await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """))
+    (tmp_path / "model").mkdir()
+    before = shm()
+    short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=short), start_new_session=True)
+    try:
+        private_dir = proc.stdout.readline().strip()
+        assert private_dir.startswith(short)
+        group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        shared = shm() - before
+        assert any(n.startswith("sem.mp-") for n in shared)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: not alive(group), timeout=10)
+        assert shm() & shared and os.path.exists(private_dir)  # nobody was left to clean up
+
+        async def next_fleet():
+            async with fleet(1, private_dir_root=short):
+                pass
+
+        asyncio.run(next_fleet())
+        assert not shm() & shared, "left in /dev/shm"
+        assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(short, ignore_errors=True)
+
+
 async def test_a_worker_that_says_it_exits_is_replaced_at_once_not_when_its_process_is_done(tmp_path):
     # Its engine died (worker_exit, fatal): it answers nothing more. Its process may take long
     # to end (a real engine's shutdown; here an exit hook that sleeps): its restart begins at
