@@ -58,6 +58,7 @@ from .process import (
     is_resource_tracker,
     kill_tree,
     kmp_names,
+    record_shm,
     remove_private_dir,
     unlink_if_same,
     unlink_shm,
@@ -136,6 +137,7 @@ class EngineWorker:
             # told when the process ends on its own (agent gone, SIGTERM), not only after
             # heartbeats stop.
             _WORKER_GOING.append(self.farewell)
+        self._list_own_shm()
         try:
             try:
                 self.engine = create_engine(self.config["engine"], self.config.get("engine_options"))
@@ -299,6 +301,19 @@ class EngineWorker:
                 )
             )
             await asyncio.sleep(interval)
+
+    def _list_own_shm(self) -> None:
+        """List this process's OpenMP registration (where libiomp5 is loaded) where the next
+        fleet's sweep finds it: killed with its supervisor (a kill of the job's whole process
+        group), it leaves nobody else who knows its pid. An engine that lists more (vllm)
+        writes the same list later, this name in it."""
+        private_dir = self.config.get("private_dir")
+        if not private_dir:
+            return
+        try:
+            record_shm(private_dir, kmp_names([os.getpid()]))
+        except OSError as exc:  # its directory went with a supervisor that is going: nothing to list for
+            logger.debug("could not list this worker's shared memory: %s", exc)
 
     # -------------------------------------------------------------------- requests
     def _start(self, msg: Generate) -> None:

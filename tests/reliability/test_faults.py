@@ -712,6 +712,59 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
         shutil.rmtree(short, ignore_errors=True)
 
 
+@pytest.mark.timeout(180)
+def test_a_torch_fleet_killed_with_its_whole_process_group_leaves_no_openmp_registration_after_the_next_fleet(
+        tmp_path):
+    # Each worker unlinks its OpenMP registration when it exits, and its supervisor does when it
+    # sees one killed; a kill of the job's whole process group leaves neither. The next fleet
+    # started in the same place sweeps what the dead fleet's workers listed, their own pids' names
+    # among it.
+    if not os.path.exists(IOMP):
+        pytest.skip(f"needs Intel's OpenMP at {IOMP}")
+    import psutil
+
+    script = tmp_path / "fleet.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            config = FleetConfig(engine="torch", num_workers=1, worker_env={{"LD_PRELOAD": {IOMP!r}}})
+            async with Supervisor(config) as sup:
+                await sup.client().generate("a", [1, 2], SamplingParams(max_tokens=2))  # OpenMP is up
+                print(sup.private_dir, sup.slots[0].pid, flush=True)
+                await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """))
+    root = tmp_path / "jobs"
+    root.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(root)), start_new_session=True)
+    try:
+        private_dir, pid = proc.stdout.readline().split()
+        registration = f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}"
+        group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert os.path.exists(registration)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: not alive(group), timeout=10)
+        assert os.path.exists(registration) and os.path.exists(private_dir)  # nobody was left to clean up
+
+        async def next_fleet():
+            async with fleet(1, private_dir_root=str(root)):
+                pass
+
+        asyncio.run(next_fleet())
+        assert not os.path.exists(registration), "left in /dev/shm"
+        assert not os.path.exists(private_dir)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 async def test_a_worker_that_says_it_exits_is_replaced_at_once_not_when_its_process_is_done(tmp_path):
     # Its engine died (worker_exit, fatal): it answers nothing more. Its process may take long
     # to end (a real engine's shutdown; here an exit hook that sleeps): its restart begins at
