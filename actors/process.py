@@ -80,11 +80,11 @@ def tail(path: str, max_bytes: int = 4000) -> str:
 
 # Shared memory that an engine's own child processes make through Python's multiprocessing
 # (vLLM's queues and locks: ``psm_*`` segments, ``sem.mp-*`` semaphores) is unlinked by those
-# processes when they end cleanly, and left in /dev/shm when they are killed. An engine
-# lists such names in ``<private dir>/shm-<its pid>.list`` (one per line); whoever sees that
-# process gone (the engine itself after reaping its children, the supervisor after a worker
-# died, or at shutdown, the next supervisor's sweep of a dead fleet's private directory)
-# unlinks them.
+# processes when they end cleanly, and left in /dev/shm when they are killed. A worker lists
+# such names in ``<private dir>/shm-<its pid>.list`` (one per line; its engine adds its own
+# processes'); whoever sees that process gone unlinks them: the engine itself after reaping
+# its children, the supervisor after a worker died or at its shutdown, and the next
+# supervisor's sweep of a dead fleet's private directory.
 # Intel's OpenMP runtime (libiomp5, which vLLM's CPU guide has users preload) registers each
 # process that loads it as ``__KMP_REGISTERED_LIB_<pid>_<uid>`` and unlinks that at a normal
 # exit only: see kmp_names.
@@ -136,7 +136,10 @@ def shm_names_now() -> set[str]:
 
 
 def record_shm(private_dir: str, names: set[str]) -> str:
-    """Write this process's list of leftover-prone shared-memory names; returns its path."""
+    """Write this process's list of leftover-prone shared-memory names, its own OpenMP
+    registration always among them (killed with its supervisor, a process leaves nobody else
+    who knows its pid); returns its path."""
+    names = set(names) | kmp_names([os.getpid()])
     path = os.path.join(private_dir, f"shm-{os.getpid()}.list")
     with open(path, "w") as f:
         f.write("".join(f"{n}\n" for n in sorted(names)))

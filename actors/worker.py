@@ -306,12 +306,12 @@ class EngineWorker:
         """List this process's OpenMP registration (where libiomp5 is loaded) where the next
         fleet's sweep finds it: killed with its supervisor (a kill of the job's whole process
         group), it leaves nobody else who knows its pid. An engine that lists more (vllm)
-        writes the same list later, this name in it."""
+        rewrites the same list later, this name always in it (record_shm)."""
         private_dir = self.config.get("private_dir")
         if not private_dir:
             return
         try:
-            record_shm(private_dir, kmp_names([os.getpid()]))
+            record_shm(private_dir, set())
         except OSError as exc:  # its directory went with a supervisor that is going: nothing to list for
             logger.debug("could not list this worker's shared memory: %s", exc)
 

@@ -46,8 +46,8 @@ until the last rank finished; each round makes at least 20,000 calls in all.
 Paced ranks: the largest engine-paced fleet again as K ranks (the ``--ranks`` that divide it, when
 two or more do), each a process with a fleet of its own of workers / K paced workers and a full
 batch of each in flight: the same engines and requests, each round of results shared out over K
-loops instead of worked through by one. In turns, like the ranks; ``--paced-batches`` rounds of
-full batches each.
+loops instead of worked through by one. In turns, like the ranks: 3 rounds, each of
+``--paced-batches`` full batches per rank.
 
 Clients: the same fleet size as one fleet fed through its frontend by K client processes
 (``--clients``, default 1, 2, 4; ``--quick`` 1, 2), each a RemoteClient with window / K in flight,
@@ -112,9 +112,10 @@ time on its worker, as its result's timings say), ``paced_outside_p50_ms_{n}w``,
 share; a lane's cycle is its time on the worker plus this, so the mean sets the rate),
 ``paced_caller_wait_ms_{n}w`` (mean: a call's latency less its result's ``timings["total"]``, the
 time from its arrival at the supervisor to its result: how long a finished request waited for
-its caller to run on the loop), ``paced_loop_round_ms_{n}w`` (the loop's CPU for one round of every
-request in flight, ``paced_loop_us_per_req_{n}w`` x workers x ``--paced-running``: the loop works
-through results that come close together one by one), ``paced_loop_wait_{n}w``
+its caller to run on the loop), ``paced_loop_round_ms_{n}w`` (the loop's CPU per round of every
+request in flight, ``paced_loop_us_per_req_{n}w`` x workers x ``--paced-running``: all it did
+meanwhile, results, new requests, progress reports and heartbeats; the most that results of a
+round which finish together can queue for, one after the other), ``paced_loop_wait_{n}w``
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed); paced ranks:
@@ -499,7 +500,9 @@ async def rank_main(workers: int, window: int, paced: dict | None = None) -> Non
             line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
             if len(line) != 2 or line[0] != "go":
                 return
-            f: dict = {"rps": [], "lat": [], "cpu": [], **({} if paced is None else {"outside": []})}
+            f: dict = {"rps": [], "lat": [], "cpu": []}
+            if paced is not None:
+                f["outside"] = []
             await metered_flood(sup, client, f, int(line[1]), window, f"t{turn}", params)
             answer = {"rps": f["rps"][0], "cpu": f["cpu"][0], "lat": [round(x, 1) for x in f["lat"]]}
             if paced is not None:
@@ -785,17 +788,22 @@ async def measure(sizes: dict, cores: int) -> tuple[dict, dict, dict, dict, dict
         clients = {"workers": workers, "by_clients": by_clients, "in_process": in_process}
     if sizes["ranks"]:
         workers = ranks_workers(sizes, fleets)
-        sizes["ranks"] = [k for k in sizes["ranks"] if workers % k == 0]  # the same workers in all
-        if sizes["ranks"]:
-            ranks = {"workers": workers, "by_ranks": await ranks_in_turns(sizes, cores, workers)}
+        layouts = [k for k in sizes["ranks"] if workers % k == 0]  # the same workers in all
+        if layouts:
+            ranks = {"workers": workers, "by_ranks": await ranks_in_turns(dict(sizes, ranks=layouts), cores, workers)}
         else:
             print(f"ranks: none of those asked for divides {workers} workers evenly: not run", flush=True)
     paced = await paced_in_turns(sizes, cores) if sizes["paced"]["batches"] else {}
     paced_ranks: dict = {}
-    layouts = [k for k in sizes["ranks"] if paced and max(paced) % k == 0]
-    if len(layouts) > 1:
-        paced_ranks = {"workers": max(paced),
-                       "by_ranks": await paced_ranks_in_turns(dict(sizes, ranks=layouts), cores, max(paced))}
+    if paced and sizes["ranks"]:
+        workers = max(paced)
+        layouts = [k for k in sizes["ranks"] if workers % k == 0]
+        if len(layouts) > 1:
+            paced_ranks = {"workers": workers,
+                           "by_ranks": await paced_ranks_in_turns(dict(sizes, ranks=layouts), cores, workers)}
+        else:
+            print(f"paced ranks: fewer than two of those asked for divide {workers} workers evenly: not run",
+                  flush=True)
     running = await running_in_turns(sizes) if sizes["running"]["intervals"] else {}
     if not sizes["receivers"]:
         return fleets, ranks, clients, paced, paced_ranks, running, {}, 0.0
@@ -870,8 +878,8 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         # Throughput follows the mean: a lane's cycle is its time on the worker plus this.
         m[f"paced_outside_mean_ms_{n}w"] = f["outside"]["mean"] / 1e3
         m[f"paced_caller_wait_ms_{n}w"] = f["caller"]["mean"] / 1e3
-        # The loop's CPU for one round of every request in flight (each worker's full batch):
-        # when a round's results come close together, the loop works through them one by one.
+        # The loop's CPU per round of every request in flight (each worker's full batch), all of it:
+        # what results of a round that finish together can queue for, at most.
         m[f"paced_loop_round_ms_{n}w"] = m[f"paced_loop_us_per_req_{n}w"] * n * sizes["paced"]["running"] / 1e3
         if "loop_wait" in f["cpu"]:
             m[f"paced_loop_wait_{n}w"] = f["cpu"]["loop_wait"]

@@ -304,9 +304,10 @@ def bottleneck_text(m: dict[str, Any]) -> str:
             text.append(
                 f"Outside its worker a request spent {listed(m, 'paced_outside_mean_ms_{}w', ps, '.1f')} ms on "
                 f"average with {', '.join(map(str, ps))} workers; of that, finished, it waited "
-                f"{listed(m, 'paced_caller_wait_ms_{}w', ps, '.1f')} ms for its caller to run on the loop. One round "
-                f"of every request in flight cost the loop {listed(m, 'paced_loop_round_ms_{}w', ps, '.0f')} ms of "
-                "CPU: results that come close together wait for the loop to work through those before them.")
+                f"{listed(m, 'paced_caller_wait_ms_{}w', ps, '.1f')} ms for its caller to run on the loop. Per round "
+                f"of every request in flight the loop spent {listed(m, 'paced_loop_round_ms_{}w', ps, '.0f')} ms of "
+                "CPU in all (results, new requests, progress reports): results that finish together queue for "
+                "part of it, one after the other.")
         rs = sizes_in(m, "paced_ranks_rps_", "r")
         if len(rs) > 1 and "paced_ranks_workers" in m:
             text.append(

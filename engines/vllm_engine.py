@@ -221,10 +221,9 @@ class VllmEngine(Engine):
         # the supervisor finds them if this process is killed (actors/process.py).
         pids = [p.pid for p in self._children]
         self._shm_names = shm_names_mapped(pids) | kmp_names(pids)  # killed children leave both
-        # This process's own too: killed with its supervisor (the whole job's process group),
-        # it leaves nobody else who knows its pid to unlink its OpenMP registration.
-        own = shm_names_mapped([os.getpid()]) | kmp_names([os.getpid()])
-        self._shm_list = record_shm(private, self._shm_names | own)
+        # This process's own too (record_shm adds its OpenMP registration): killed with its
+        # supervisor (the whole job's process group), it leaves nobody else who knows its pid.
+        self._shm_list = record_shm(private, self._shm_names | shm_names_mapped([os.getpid()]))
         logger.info("vllm engine started: model %s, %d child processes", opts["model"], len(self._children))
 
     def _engine_args(self, cuda: bool) -> dict[str, Any]:
@@ -272,7 +271,7 @@ class VllmEngine(Engine):
             logger.info("unlinked shared memory left by vLLM's processes: %s", ", ".join(sorted(left)))
         if self._shm_list:
             with contextlib.suppress(OSError):
-                os.unlink(self._shm_list)
+                record_shm(os.path.dirname(self._shm_list), set())  # what this process itself may leave
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
         if self._own_private:

@@ -65,7 +65,9 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         # A finished request's wait for its caller is part of its time outside the worker (the
         # supervisor held it at least as long as the worker did); 0.01 ms for the clocks' rounding.
         assert -0.01 <= metrics[f"paced_caller_wait_ms_{n}w"] <= metrics[f"paced_outside_mean_ms_{n}w"] + 0.01
-        assert metrics[f"paced_loop_round_ms_{n}w"] == pytest.approx(metrics[f"paced_loop_us_per_req_{n}w"] * n * 8 / 1e3)
+        # The loop's CPU per round cannot exceed the round's time (it is one thread), which a
+        # call's latency is: a figure off by a unit would be a thousand times too big.
+        assert 0 < metrics[f"paced_loop_round_ms_{n}w"] <= 1.05 * metrics[f"paced_p99_ms_{n}w"]
         assert 0 <= metrics.get(f"paced_loop_wait_{n}w", 0) <= 1.05
     assert metrics["paced_loop_ceiling_workers"] > 0
     # The 2 paced workers again as 1 and as 2 ranks: the same engines' capacity in both.
@@ -73,7 +75,9 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     for k in (1, 2):
         assert 0.3 < metrics[f"paced_ranks_vs_capacity_{k}r"] <= 1.02
         assert metrics[f"paced_ranks_vs_capacity_{k}r"] == pytest.approx(metrics[f"paced_ranks_rps_{k}r"] / 200)
-        assert metrics[f"paced_ranks_outside_mean_ms_{k}r"] >= 0
+        # 16 tokens at 200 tokens/s: a lane's cycle is 80 ms on its worker plus its time outside,
+        # and the rate is the lanes over their cycle, so the time outside is less than the cycle.
+        assert 0 <= metrics[f"paced_ranks_outside_mean_ms_{k}r"] < 80 / metrics[f"paced_ranks_vs_capacity_{k}r"]
         assert 0 < metrics[f"paced_ranks_loop_cpu_max_{k}r"] <= 1.05
     # 256 requests running, none finishing: reported every 0.05 s, ten times as many reports
     # reach the loop as every 0.5 s, and it spends more on them.

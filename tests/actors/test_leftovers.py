@@ -61,7 +61,7 @@ def test_names_listed_by_a_killed_engine_process_are_unlinked_by_the_sweep(tmp_p
 def test_the_names_a_process_made_itself_are_among_those_it_maps():
     # glibc makes a semaphore under a temporary name and links it as sem.mp-* afterwards: its
     # creator's mapping shows only the temporary name (vLLM's model worker makes one, tqdm's
-    # lock, and nobody else opens it), so it went unlisted and outlived a killed job.
+    # lock, and nobody else opens it), and a name left unlisted outlives a killed job.
     child, seg, sem = start_child()
     try:
         assert {seg, sem} <= shm_names_mapped([child.pid])
@@ -90,10 +90,10 @@ def test_a_spared_resource_tracker_unlinks_what_the_killed_processes_registered(
         child.wait(10)
 
 
-def test_record_shm_writes_one_name_a_line(tmp_path):
+def test_record_shm_writes_one_name_a_line_its_own_openmp_registration_among_them(tmp_path):
     path = record_shm(str(tmp_path), {"psm_b", "psm_a"})
     assert os.path.basename(path) == f"shm-{os.getpid()}.list"
-    assert open(path).read() == "psm_a\npsm_b\n"
+    assert open(path).read() == f"__KMP_REGISTERED_LIB_{os.getpid()}_{os.getuid()}\npsm_a\npsm_b\n"
 
 
 def test_private_dirs_of_dead_supervisors_and_those_left_half_made_are_swept(tmp_path):

@@ -652,13 +652,13 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
 def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memory_after_the_next_fleet(tmp_path):
     # A job manager's SIGKILL to the group takes the supervisor, the worker, vLLM's processes and
     # their resource tracker at once: nobody is left to unlink what they shared. The next fleet
-    # started in the same place sweeps what the dead fleet's engine listed; that list missed the
+    # started in the same place sweeps what the dead fleet's worker listed, which must hold the
     # semaphore vLLM's model worker makes (its creator maps it under another name) and the
     # worker's own OpenMP registration.
     pytest.importorskip("vllm")
     import psutil
 
-    from rollfleet.actors.process import SHM_PREFIXES
+    from rollfleet.actors.process import SHM_PREFIXES, kmp_names, shm_names_mapped
 
     def shm() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
@@ -691,7 +691,8 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
         private_dir = proc.stdout.readline().strip()
         assert private_dir.startswith(short)
         group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        shared = shm() - before
+        # What the job's processes had mapped or registered, not what others made meanwhile
+        shared = (shm_names_mapped(group) | kmp_names(group)) & (shm() - before)
         assert any(n.startswith("sem.mp-") for n in shared)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
