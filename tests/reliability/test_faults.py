@@ -594,6 +594,40 @@ async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_go
         proc.wait(10)
 
 
+def start_vllm_job(tmp_path, tmpdir: str, *, served: bool, **popen) -> tuple[subprocess.Popen, dict]:
+    """A job in a process of its own (TMPDIR ``tmpdir``): a one-worker vLLM fleet on the tiny
+    Llama, with Intel's OpenMP preloaded where it is installed (as vLLM's CPU guide advises: it
+    registers every process in /dev/shm too, and only a normal exit unregisters it). Once up, and
+    with ``served`` once it has served a request, it prints its private directory and waits.
+    Returns the process and the workers' extra environment."""
+    env = {"LD_PRELOAD": IOMP} if os.path.exists(IOMP) else {}
+    # float32: the tiny model's first request fails in vLLM's default dtype on these CPUs
+    options = {"dtype": "float32"} if served else {}
+    script = tmp_path / "fleet.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.engines.tiny import build_tiny_llama
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            path = build_tiny_llama({str(tmp_path / "model")!r})
+            config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240, worker_env={env!r},
+                                 engine_options={{"model": path, **{options!r}}})
+            async with Supervisor(config) as sup:
+                if {served!r}:
+                    await sup.client().generate("a", [1, 2, 3], SamplingParams(max_tokens=4))
+                print(sup.private_dir, flush=True)
+                await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """))
+    (tmp_path / "model").mkdir()
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=tmpdir), **popen)
+    return proc, env
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_path):
@@ -601,45 +635,21 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
     # shutdown unlinks; with the supervisor gone, the worker sweeps what its engine listed and
     # spares the resource tracker that unlinks the rest (both were left in /dev/shm).
     pytest.importorskip("vllm")
-    from rollfleet.actors.process import SHM_PREFIXES
+    from rollfleet.actors.process import shm_names_now
 
-    def shm() -> set[str]:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
-
-    # Preloaded as vLLM's CPU guide advises, Intel's OpenMP registers every process in /dev/shm
-    # too, and only a normal exit unregisters it.
-    env = {"LD_PRELOAD": IOMP} if os.path.exists(IOMP) else {}
-    script = tmp_path / "fleet.py"
-    script.write_text(textwrap.dedent(f"""
-        import asyncio
-        from rollfleet.actors import FleetConfig, Supervisor
-        from rollfleet.engines.tiny import build_tiny_llama
-
-        async def main():
-            path = build_tiny_llama({str(tmp_path / "model")!r})
-            config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240,
-                                 engine_options={{"model": path}}, worker_env={env!r})
-            async with Supervisor(config) as sup:
-                print("ready", flush=True)
-                await asyncio.sleep(600)
-
-        asyncio.run(main())
-    """))
-    (tmp_path / "model").mkdir()
-    before = shm()
+    before = shm_names_now()
     short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TMPDIR=short))
+    proc, env = start_vllm_job(tmp_path, short, served=False)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        assert shm() - before  # the engine shares memory while it runs
-        assert not env or any(n.startswith("__KMP_REGISTERED_LIB_") for n in shm() - before)
+        assert proc.stdout.readline().strip().startswith(short)  # up
+        assert shm_names_now() - before  # the engine shares memory while it runs
+        assert not env or any(n.startswith("__KMP_REGISTERED_LIB_") for n in shm_names_now() - before)
         proc.send_signal(signal.SIGTERM)  # the supervisor's process alone, not its group
         proc.wait(30)
         deadline = time.monotonic() + 20
-        while shm() - before and time.monotonic() < deadline:
+        while shm_names_now() - before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not shm() - before
+        assert not shm_names_now() - before
         assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
     finally:
         proc.kill()
@@ -658,53 +668,29 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
     pytest.importorskip("vllm")
     import psutil
 
-    from rollfleet.actors.process import SHM_PREFIXES, kmp_names, shm_names_mapped
+    from rollfleet.actors.process import kmp_names, shm_names_mapped, shm_names_now
 
-    def shm() -> set[str]:
-        return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
-
-    env = {"LD_PRELOAD": IOMP} if os.path.exists(IOMP) else {}
-    script = tmp_path / "fleet.py"
-    script.write_text(textwrap.dedent(f"""
-        import asyncio
-        from rollfleet.actors import FleetConfig, Supervisor
-        from rollfleet.engines.tiny import build_tiny_llama
-        from rollfleet.transport.messages import SamplingParams
-
-        async def main():
-            path = build_tiny_llama({str(tmp_path / "model")!r})
-            config = FleetConfig(engine="vllm", num_workers=1, start_timeout_s=240, worker_env={env!r},
-                                 engine_options={{"model": path, "dtype": "float32"}})
-            async with Supervisor(config) as sup:
-                await sup.client().generate("a", [1, 2, 3], SamplingParams(max_tokens=4))
-                print(sup.private_dir, flush=True)
-                await asyncio.sleep(600)
-
-        asyncio.run(main())
-    """))
-    (tmp_path / "model").mkdir()
-    before = shm()
+    before = shm_names_now()
     short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TMPDIR=short), start_new_session=True)
+    proc, _ = start_vllm_job(tmp_path, short, served=True, start_new_session=True)
     try:
         private_dir = proc.stdout.readline().strip()
         assert private_dir.startswith(short)
         group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         # What the job's processes had mapped or registered, not what others made meanwhile
-        shared = (shm_names_mapped(group) | kmp_names(group)) & (shm() - before)
+        shared = (shm_names_mapped(group) | kmp_names(group)) & (shm_names_now() - before)
         assert any(n.startswith("sem.mp-") for n in shared)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert wait_until(lambda: not alive(group), timeout=10)
-        assert shm() & shared and os.path.exists(private_dir)  # nobody was left to clean up
+        assert shm_names_now() & shared and os.path.exists(private_dir)  # nobody was left to clean up
 
         async def next_fleet():
             async with fleet(1, private_dir_root=short):
                 pass
 
         asyncio.run(next_fleet())
-        assert not shm() & shared, "left in /dev/shm"
+        assert not shm_names_now() & shared, "left in /dev/shm"
         assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
     finally:
         with contextlib.suppress(ProcessLookupError):
