@@ -155,14 +155,18 @@ def sweep_stale() -> list[str]:
     creator's pid runs no more."""
     removed = []
     me = os.getuid()
+    verdicts: dict[tuple[str, str], bool] = {}  # per set: its names share one lock
     for name in list_segments():
         pid, token = _NAME.match(name).groups()  # type: ignore[union-attr]
         try:
             if os.stat(path_of(name)).st_uid != me:
                 continue
-            gone = _holder_gone(lock_path(int(pid), token))
+            gone = verdicts.get((pid, token))
             if gone is None:
-                gone = not pid_alive(int(pid))
+                gone = _holder_gone(lock_path(int(pid), token))
+                if gone is None:
+                    gone = not pid_alive(int(pid))
+                verdicts[(pid, token)] = gone
             if gone and _unlink_name(name):  # (their lock files go in the pass below)
                 removed.append(name)
         except OSError:  # gone meanwhile, or not ours to unlink
