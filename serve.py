@@ -82,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "starts from its last report; a shorter interval costs the supervisor more "
                              "CPU per running request.")
     parser.add_argument("--client-send-hwm", type=at_least(0), default=100_000, metavar="N",
-                        help="Messages that may wait for one client; a client that stops reading past "
-                             "this loses its requests (PROTOCOL.md section 1). 0: no limit (default 100000).")
+                        help="Messages that may wait for one client; a client with more waiting (it stopped "
+                             "reading, or reads more slowly than its answers come) loses its requests "
+                             "(PROTOCOL.md section 1). 0: no limit (default 100000).")
     parser.add_argument("--store-bind", default=None, metavar="HOST:PORT",
                         help="Admit workers of other nodes: run a TCPStore at HOST:PORT (port 0 picks a free "
                              "one) and publish the worker socket in it; both are printed, before the client "

@@ -86,8 +86,8 @@ class FleetConfig:
     in one message): the partial output a request resumes from if its worker dies. Longer means
     less work for the supervisor with many requests running, and more tokens made again after a
     worker's death. Each report costs the supervisor's loop a few microseconds per running
-    request: 1,024 requests running took 0.05-0.06 of its core reported every 0.05 s and about
-    0.02 every 0.5 s (bench_scaling.py, its running section)."""
+    request: 1,024 requests running took 0.05-0.08 of its core reported every 0.05 s and
+    0.02-0.035 every 0.5 s (bench_scaling.py, its running section, on a 2-core VM and H200 hosts)."""
     heartbeat_timeout_s: float = 30.0
     """A worker silent this long is considered hung and is killed (silence counts only while
     the supervisor runs: a supervisor stopped meanwhile, e.g. a suspended job, does not count it)."""
@@ -115,8 +115,9 @@ class FleetConfig:
     of over 10 million tokens. A value above ``max_message_bytes`` is taken as that: a bigger
     frame never reaches the fleet (ZeroMQ drops its sender)."""
     client_send_hwm: int = 100_000
-    """Most messages waiting to go out to one client (a batch counts once). A client that
-    stops reading past this is treated as gone: its requests are cancelled on the workers
+    """Most messages waiting to go out to one client (a batch counts once). A client with
+    more waiting (it stopped reading, or reads more slowly than its answers come: a burst of
+    answers can fill the queue before ZeroMQ empties it) is treated as gone: its requests are cancelled on the workers
     (no more is sent for them) and stats count it under ``dropped_frames['slow_client']``.
     0: no limit (its answers then pile up in the supervisor's memory for as long as it
     does not read)."""

@@ -195,7 +195,9 @@ class NodeAgent:
     (default: this host's name). Worker ids are ``<name>.<agent pid>/w<i>-<generation>``.
     ``engine``/``engine_options`` default to the fleet's. Workers die with the agent (their
     death pipe), and the agent stops when the store says the fleet closed or is gone, or
-    when the supervisor's beat in the store stands still for ``supervisor_timeout_s``.
+    when the supervisor's beat in the store stands still for ``supervisor_timeout_s``. Stopping,
+    on its own or by ``shutdown()``, it stops its workers and removes its private directory
+    before ``wait()`` returns True.
     """
 
     def __init__(self, store: Any, *, engine: str | None = None, engine_options: dict[str, Any] | None = None,
@@ -230,7 +232,9 @@ class NodeAgent:
         self._restart_at: dict[int, float] = {}  # slot -> when to respawn it
         self._router: dict[str, Any] = {}
         self._keys: tuple[bytes, bytes] | None = None
-        self._done = threading.Event()
+        self._done = threading.Event()  # asked to stop (by itself, shutdown(), a signal)
+        self._stopped = threading.Event()  # stopped: workers gone, private dir removed
+        self._grace_s = 5.0  # what the stop gives the workers to exit before they are killed
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -280,15 +284,24 @@ class NodeAgent:
         return self.store.get(key)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the agent stops (fleet closed, store gone, the supervisor's beat standing
-        still for supervisor_timeout_s, shutdown()); True if it did."""
-        return self._done.wait(timeout)
+        """Block until the agent has stopped (fleet closed, store gone, the supervisor's beat
+        standing still for supervisor_timeout_s, shutdown()) and with it its workers, its private
+        directory removed; True if it did. An agent that never joined (stopped while it waited
+        to) has nothing to stop: True once it was asked to."""
+        if self._thread is None:
+            return self._done.wait(timeout)
+        return self._stopped.wait(timeout)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
-        """Stop every worker (SIGTERM to its tree, then SIGKILL) and remove the private dir."""
+        """Stop every worker (SIGTERM to its tree, then SIGKILL after ``grace_s``) and remove the
+        private dir; what the agent does by itself when it stops on its own."""
+        self._grace_s = grace_s
         self._done.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=grace_s + 10)  # it stops the workers on its way out
+        self._stop_workers(grace_s)
+
+    def _stop_workers(self, grace_s: float) -> None:
         with self._lock:
             procs, self.procs = list(self.procs.values()), {}
         for proc in procs:
@@ -301,6 +314,7 @@ class NodeAgent:
             proc.close()
         if self.private_dir:
             remove_private_dir(self.private_dir)
+        self._stopped.set()
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, index: int) -> None:
@@ -351,6 +365,15 @@ class NodeAgent:
             return None  # _fleet_closed says whether the store is gone
 
     def _monitor(self) -> None:
+        try:
+            self._watch_fleet()
+        finally:
+            # However it stopped: the workers of a closed fleet exit on their own (its shutdown
+            # message), those of a supervisor gone silent would not; the private dir goes too.
+            self._done.set()
+            self._stop_workers(self._grace_s)
+
+    def _watch_fleet(self) -> None:
         last_check = 0.0
         beat, beat_seen = self._beat(), time.monotonic()
         while not self._done.wait(0.1):

@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from rollfleet.actors import FleetConfig, Supervisor
-from rollfleet.actors.node import publish_router
+from rollfleet.actors.node import NodeAgent, publish_router
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport.auth import make_keys
 from rollfleet.transport.messages import SamplingParams
@@ -289,6 +289,46 @@ def test_agent_stops_when_the_supervisor_is_killed_and_the_store_lives_on(tmp_pa
                 proc.kill()
                 proc.wait(10)
         del store
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+@pytest.mark.timeout(120)
+async def test_an_agent_run_in_process_stops_its_workers_and_removes_its_dir_before_wait_returns(tmp_path):
+    # README's recipe for a torchrun job: NodeAgent(store, ...), start(), then wait() until the
+    # fleet closes, nothing more. What the agent leaves must be gone once wait() says it stopped.
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    root = tmp_path / "agent-root"
+    root.mkdir()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                                       wait_for_workers=False)
+    agent_store = torch.distributed.TCPStore("127.0.0.1", store.port, None, False, datetime.timedelta(seconds=30))
+    agent = NodeAgent(agent_store, num_workers=1, name="second-host", private_dir_root=str(root))
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys,
+                         accept_remote_workers=True)
+    loop = asyncio.get_running_loop()
+    try:
+        async with Supervisor(config) as sup:
+            publish_router(store, sup)
+            await loop.run_in_executor(None, agent.start)
+            await _until(lambda: [h for h in sup.ready_workers() if h.worker_id.startswith("second-host.")], 60,
+                         "the agent's worker to register")
+            workers = [psutil.Process(p.pid) for p in agent.procs.values()]
+            assert len(workers) == 1
+            private = agent.private_dir
+            assert private is not None and os.path.isdir(private)
+            result = await sup.client().generate("r", [1, 2, 3], SamplingParams(max_tokens=4))
+            assert len(result.token_ids) == 4
+        assert await loop.run_in_executor(None, agent.wait, 30), "the agent did not stop when its fleet closed"
+        assert not os.path.exists(private), os.listdir(private)
+        assert os.listdir(root) == []
+        gone, alive = psutil.wait_procs(workers, timeout=1)
+        assert not alive
+        agent.shutdown()  # what a careful caller adds: nothing left to do
+        assert agent.wait(0)
+    finally:
+        agent.shutdown(grace_s=1)
+        del agent_store, store
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
