@@ -26,6 +26,15 @@ their capacity as workers are added (``paced_vs_capacity``), and what that costs
 result says how long it spent on its worker (``timings["worker"]``): a call's latency less that is
 the fleet's share (sockets, the supervisor, the client, and any wait for a core).
 
+Engine-paced, queued: in each round, after each paced fleet's flood, the same fleet with
+``PACED_QUEUED`` (2) full batches per worker in flight, one running and one waiting on the
+engine, as a rollout step submits more prompts than its engines have slots: 2 x max(2,
+``--paced-batches``) rounds of every worker's batch, its rate taken from the first round's
+middle to the last round's (the median end of each round's calls: the time the first dispatches
+took drops out). A request then waits on its engine, not on the supervisor, while the loop works
+through a round of results: what is measured is whether the supervisor still costs the engines
+any of their capacity.
+
 Running: long requests that all stay running (as a rollout's do for most of their time on an
 engine), so that the loop's only work is to keep track of them. ``--running-workers`` paced echo
 workers run ``--running-per-worker`` requests each at 50 tokens/s, 5 at a time (an engine step
@@ -118,7 +127,13 @@ meanwhile, results, new requests, progress reports and heartbeats; the most that
 round which finish together can queue for, one after the other), ``paced_loop_wait_{n}w``
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
 ``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
-``paced_loop_ceiling_workers`` (workers of this kind one loop could feed); paced ranks:
+``paced_loop_ceiling_workers`` (workers of this kind one loop could feed); queued:
+``paced_queued_rps_{n}w`` (from the first round's middle to the last's; the median of the rounds),
+``paced_queued_vs_capacity_{n}w``, ``paced_queued_loop_cpu_{n}w`` (the whole flood),
+``paced_queued_outside_mean_ms_{n}w`` (as ``paced_outside_mean_ms_{n}w``: a request's time
+waiting on its engine counts as on the worker), ``paced_queued_vs_capacity_min``,
+``paced_queued_loop_cpu_max``, ``paced_queued_batches`` (batches per worker in flight),
+``paced_queued_rounds`` (rounds per flood); paced ranks:
 ``paced_ranks_workers`` (the paced workers in all), ``paced_ranks_max`` (the most ranks run),
 ``paced_ranks_rps_{k}r``, ``paced_ranks_vs_capacity_{k}r`` (of the same engines' capacity),
 ``paced_ranks_outside_mean_ms_{k}r`` (mean time outside a worker, every rank's calls),
@@ -180,6 +195,7 @@ LOOP_SATURATED = 0.9  # of one core: the event loop has no time left to give
 LOOP_WAITS = 0.1  # of the wall time: the loop thread, ready to run, waited this long for a core
 MACHINE_SATURATED = 0.9  # of all cores
 ENGINES_SATURATED = 0.9  # of the paced engines' capacity
+PACED_QUEUED = 2  # queued: full batches per paced worker in flight, one running and the rest waiting on it
 ROUNDS = 3  # throughput: the median of this many floods per fleet size, taken in turns
 BLOCK = 100  # unloaded latency: calls per fleet size per turn
 
@@ -264,13 +280,13 @@ def bottleneck(cpu: dict[str, float], cores: int) -> str:
 
 async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untyped-def]
                 params: SamplingParams = PARAMS, outside: list[float] | None = None,
-                caller: list[float] | None = None) -> tuple[float, list[float]]:
+                caller: list[float] | None = None, done: list[float] | None = None) -> tuple[float, list[float]]:
     """n calls with ``window`` in flight; returns (requests/s, latency of each call in us).
     ``outside``, when given, gets each call's latency less the time its result says it spent
     on workers (``timings["worker"]``): the fleet's share, in us. ``caller`` gets each call's
     latency less the time the supervisor held the request (``timings["total"]``, from its
     arrival to its result): how long the finished request then waited for its caller to run
-    on the loop, in us."""
+    on the loop, in us. ``done`` gets each call's end (``time.perf_counter()``, s)."""
     left = n
     lat: list[float] = []
     ids = itertools.count()
@@ -287,6 +303,8 @@ async def flood(client, n: int, window: int, tag: str,  # type: ignore[no-untype
                 outside.append(us - r.timings.get("worker", 0.0) * 1e6)
             if caller is not None:
                 caller.append(us - r.timings["total"] * 1e6)
+            if done is not None:
+                done.append(time.perf_counter())
 
     t0 = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(min(window, n))))
@@ -406,11 +424,13 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
     p = sizes["paced"]
     params = SamplingParams(max_tokens=p["tokens"])
     out = {}
+    queued_rounds = queued_paced_rounds(p)
     async with contextlib.AsyncExitStack() as stack:
         sups = {}
         for n in sizes["workers"]:
             sups[n] = await stack.enter_async_context(Supervisor(paced_config(p, n)))
-            out[n] = {"rps": [], "lat": [], "cpu": [], "outside": [], "caller": []}
+            out[n] = {"rps": [], "lat": [], "cpu": [], "outside": [], "caller": [],
+                      "queued": {"rps": [], "cpu": [], "outside": []}}
         clients = {n: sup.client() for n, sup in sups.items()}
         for n, client in clients.items():  # warm-up: one batch per worker
             await flood(client, n * p["running"], n * p["running"], f"pw{n}", params)
@@ -418,16 +438,53 @@ async def paced_in_turns(sizes: dict, cores: int) -> dict:
             for n, client in clients.items():
                 window = n * p["running"]
                 await metered_flood(sups[n], client, out[n], window * p["batches"], window, f"p{n}-{r}", params)
+                # Queued: PACED_QUEUED batches per worker in flight, as a rollout step submits more
+                # prompts than its engines have slots; the rate from the first round's middle to the last's.
+                q, done = out[n]["queued"], []
+                meter = CpuMeter(sups[n])
+                meter.start()
+                await flood(client, window * queued_rounds, window * PACED_QUEUED, f"q{n}-{r}", params,
+                            q["outside"], done=done)
+                q["cpu"].append(meter.stop())
+                q["rps"].append(steady_rate(done, window))
     for n, f in out.items():
+        q = f.pop("queued")
         totals(f, cores)
         f["capacity"] = paced_capacity(sizes, n)
+        f["queued"] = {"rps": statistics.median(q["rps"]), "cpu": cores_used(q["cpu"]),
+                       "outside_mean": sum(q["outside"]) / len(q["outside"])}
         if f["bottleneck"] != "supervisor event loop" and f["rps"] >= ENGINES_SATURATED * f["capacity"]:
             f["bottleneck"] = "engines (their capacity)"  # delivered: whatever else was busy, they were the limit
         print(f"{n:>3} paced workers: {f['rps']:,.0f} req/s of {f['capacity']:,.0f}, p99 {f['lat']['p99'] / 1e3:,.0f} ms, "
               f"p50 {f['worker']['p50'] / 1e3:,.0f} ms on a worker and {f['outside']['p50'] / 1e3:,.1f} ms outside, "
               f"loop {f['cpu']['loop']:.2f} cores (waits {f['cpu'].get('loop_wait', float('nan')):.2f}), workers "
               f"{f['cpu']['workers']:.2f}, machine {f['cpu']['machine']:.2f} -> {f['bottleneck']}", flush=True)
+        print(f"{n:>3} paced workers, {PACED_QUEUED} batches each in flight: {f['queued']['rps']:,.0f} req/s of "
+              f"{f['capacity']:,.0f} (from the first round to the last), "
+              f"{f['queued']['outside_mean'] / 1e3:,.1f} ms outside a worker on average, "
+              f"loop {f['queued']['cpu']['loop']:.2f} cores", flush=True)
     return out
+
+
+def queued_paced_rounds(p: dict) -> int:
+    """Rounds of every worker's batch in a queued flood: 2 x max(2, batches), so that its rate is
+    taken over 3 rounds or more, from the first round's middle to the last's."""
+    return 2 * max(2, p["batches"])
+
+
+def steady_rate(done: list[float], per_round: int) -> float:
+    """Calls per second from the middle of the first round (the median end of its ``per_round``
+    calls) to the middle of the last: (rounds - 1) rounds' calls apart. With every engine's queue
+    filled, each slot runs one request after the other, so a round's results come as spread out as
+    the first round's did; between their medians, the time the first dispatches took (the spread)
+    and the end of the flood (its last results) drop out, and what is left is the engines' pace."""
+    done = sorted(done)
+    rounds = len(done) // per_round
+    if rounds < 2:
+        return len(done) / max(done[-1] - done[0], 1e-9)
+    first = statistics.median(done[:per_round])
+    last = statistics.median(done[(rounds - 1) * per_round:rounds * per_round])
+    return (rounds - 1) * per_round / max(last - first, 1e-9)
 
 
 RUNNING_TOKENS_PER_S = 50.0  # each running request's pace (a long rollout on a busy engine)
@@ -881,6 +938,10 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         # The loop's CPU per round of every request in flight (each worker's full batch), all of it:
         # what results of a round that finish together can queue for, at most.
         m[f"paced_loop_round_ms_{n}w"] = m[f"paced_loop_us_per_req_{n}w"] * n * sizes["paced"]["running"] / 1e3
+        q = f["queued"]
+        m[f"paced_queued_rps_{n}w"], m[f"paced_queued_vs_capacity_{n}w"] = q["rps"], q["rps"] / f["capacity"]
+        m[f"paced_queued_loop_cpu_{n}w"] = q["cpu"]["loop"]
+        m[f"paced_queued_outside_mean_ms_{n}w"] = q["outside_mean"] / 1e3
         if "loop_wait" in f["cpu"]:
             m[f"paced_loop_wait_{n}w"] = f["cpu"]["loop_wait"]
     if paced:
@@ -892,6 +953,9 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
         m["paced_vs_capacity_min"] = min(f["rps"] / f["capacity"] for f in paced.values())
         m["paced_loop_cpu_max"] = max(f["cpu"]["loop"] for f in paced.values())
         m["paced_bottleneck"] = paced[top]["bottleneck"]
+        m["paced_queued_batches"], m["paced_queued_rounds"] = PACED_QUEUED, queued_paced_rounds(p)
+        m["paced_queued_vs_capacity_min"] = min(f["queued"]["rps"] / f["capacity"] for f in paced.values())
+        m["paced_queued_loop_cpu_max"] = max(f["queued"]["cpu"]["loop"] for f in paced.values())
         # How many such workers one loop could feed, from its CPU per request at the largest fleet.
         ceiling = paced[top]["num_calls"] / max(paced[top]["cpu_s"]["loop"], 1e-9)
         m["paced_loop_ceiling_workers"] = ceiling / paced_capacity(sizes, 1)
@@ -1014,7 +1078,8 @@ def plot(path: str, fleets: dict, ranks: dict, clients: dict, paced: dict, updat
     if paced:
         ax = axes[4]
         ps = sorted(paced)
-        ax.plot(ps, [paced[n]["rps"] for n in ps], marker="o", label="measured")
+        ax.plot(ps, [paced[n]["rps"] for n in ps], marker="o", label="a batch per worker in flight")
+        ax.plot(ps, [paced[n]["queued"]["rps"] for n in ps], marker="^", label=f"{PACED_QUEUED} batches per worker")
         ax.plot(ps, [paced[n]["capacity"] for n in ps], linestyle="--", color="grey", label="engines' capacity")
         ax.set_ylim(bottom=0)
         ax.set_ylabel("requests / s")
@@ -1225,6 +1290,13 @@ def main(argv: list[str] | None = None) -> int:
                     title=f"engine-paced echo fleet: {p['running']} requests at once per worker, "
                           f"{p['tokens_per_s']:g} tokens/s each, {p['tokens']} tokens a request; one loop "
                           f"could feed ~{m['paced_loop_ceiling_workers']:,.0f} such workers")
+        print()
+        print_table(["workers", "req/s", "of capacity", "vs 1 batch in flight", "outside mean ms", "loop cores"],
+                    [(n, f["queued"]["rps"], f["queued"]["rps"] / f["capacity"], f["queued"]["rps"] / f["rps"],
+                      f["queued"]["outside_mean"] / 1e3, f["queued"]["cpu"]["loop"]) for n, f in sorted(paced.items())],
+                    title=f"the same paced fleets with {PACED_QUEUED} full batches per worker in flight (one running, "
+                          f"one waiting on the engine, as a rollout step's prompts outnumber its engines' slots): "
+                          f"req/s from the first of {m['paced_queued_rounds']} rounds to the last")
     if paced_ranks:
         print()
         print_table(["ranks", "workers each", "req/s", "of capacity", "outside mean ms", "p99 ms", "busiest loop cores",

@@ -308,6 +308,14 @@ def bottleneck_text(m: dict[str, Any]) -> str:
                 f"of every request in flight the loop spent {listed(m, 'paced_loop_round_ms_{}w', ps, '.0f')} ms of "
                 "CPU in all (results, new requests, progress reports): results that finish together queue for "
                 "part of it, one after the other.")
+        if f"paced_queued_rps_{p}w" in m:  # (not in JSON from older scripts)
+            text.append(
+                f"With {m['paced_queued_batches']} full batches per worker in flight instead (one running, one "
+                f"waiting on the engine, as a rollout step's prompts outnumber its engines' slots) the same fleets "
+                f"delivered {listed(m, 'paced_queued_vs_capacity_{}w', ps, '.2f')} of the engines' capacity, the "
+                f"loop busy {listed(m, 'paced_queued_loop_cpu_{}w', ps, '.2f')} of a core: a request still spent "
+                f"{listed(m, 'paced_queued_outside_mean_ms_{}w', ps, '.1f')} ms outside its worker, but its engine "
+                "had the next one meanwhile, so the supervisor's work per round no longer cost the engines time.")
         rs = sizes_in(m, "paced_ranks_rps_", "r")
         if len(rs) > 1 and "paced_ranks_workers" in m:
             text.append(

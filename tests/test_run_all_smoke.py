@@ -70,6 +70,17 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert 0 < metrics[f"paced_loop_round_ms_{n}w"] <= 1.05 * metrics[f"paced_p99_ms_{n}w"]
         assert 0 <= metrics.get(f"paced_loop_wait_{n}w", 0) <= 1.05
     assert metrics["paced_loop_ceiling_workers"] > 0
+    # The same paced fleets with 2 batches per worker in flight, 4 rounds of them (2 x max(2, 1)):
+    # an engine still cannot finish more than its capacity; its rate is taken from the middle of
+    # the first round to the last's, which the rounds' spread can move by a few percent.
+    assert metrics["paced_queued_batches"] == 2 and metrics["paced_queued_rounds"] == 4
+    for n in (1, 2):
+        assert 0.3 < metrics[f"paced_queued_vs_capacity_{n}w"] <= 1.1
+        assert metrics[f"paced_queued_vs_capacity_{n}w"] == pytest.approx(metrics[f"paced_queued_rps_{n}w"] / (100 * n))
+        assert 0 < metrics[f"paced_queued_loop_cpu_{n}w"] <= 1.05
+        assert metrics[f"paced_queued_outside_mean_ms_{n}w"] >= 0
+    assert metrics["paced_queued_vs_capacity_min"] == min(metrics["paced_queued_vs_capacity_1w"],
+                                                          metrics["paced_queued_vs_capacity_2w"])
     # The 2 paced workers again as 1 and as 2 ranks: the same engines' capacity in both.
     assert metrics["paced_ranks_workers"] == 2 and metrics["paced_ranks_max"] == 2
     for k in (1, 2):
@@ -110,6 +121,8 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     assert "| throughput, 2 workers |" in text and "| 1 worker |" in text
     assert "### Where the bottleneck is" in text and "event loop" in text and "Paced like real engines" in text
     assert "| engine-paced throughput, 2 workers |" in text
+    assert "| engine-paced throughput, 2 workers, 2 batches per worker in flight (one waiting on the engine) |" in text
+    assert "2 full batches per worker in flight instead" in text
     assert "| no-model throughput, the busiest fleet's workers as 2 ranks (a fleet each) |" in text
     assert "| the same workers as 1 rank |" in text and "Spread over ranks" in text
     assert "| no-model throughput, one fleet fed by 1 client process (RemoteClient) |" in text
