@@ -234,18 +234,24 @@ class NodeAgent:
         self._keys: tuple[bytes, bytes] | None = None
         self._done = threading.Event()  # asked to stop (by itself, shutdown(), a signal)
         self._stopped = threading.Event()  # stopped: workers gone, private dir removed
+        self._signaled = False  # a signal asked it to stop (set by a handler: no lock taken there)
         self._grace_s = 5.0  # what the stop gives the workers to exit before they are killed
         self._lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # one stop at a time: a second waits for the first
         self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        """What ended the agent's watch of its fleet, when that failed (it stopped its workers then)."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Join the fleet: read the router, publish this node's key, wait for admission
         (each store read waits up to the store's timeout), spawn the workers. Returns without
-        joining when the agent is stopped meanwhile."""
+        joining when the agent is stopped meanwhile. If it fails once it has spawned workers, it
+        stops them and removes its private directory before the error goes on."""
         p = self.prefix
         router = self._get(f"{p}/router")
         if router is None:
+            self._stopped.set()  # stopped before it joined: nothing to stop
             return
         self._router = json.loads(router)
         self._keys = zmq.curve_keypair()
@@ -253,19 +259,28 @@ class NodeAgent:
         self.store.set(f"{p}/node/{index}/name", self.node_id)
         self.store.set(f"{p}/node/{index}/public", self._keys[0].decode())
         if self._get(f"{p}/node/{index}/admitted") is None:
+            self._stopped.set()
             return
         self.private_dir = tempfile.mkdtemp(prefix="rollfleet-node-", dir=self.private_dir_root)
-        os.chmod(self.private_dir, 0o700)
-        # Owned as a supervisor's is: an agent killed with its workers (its process group sent
-        # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
-        claim_private_dir(self.private_dir)
-        sweep_private_dirs(os.path.dirname(self.private_dir))
-        sweep_stale_segments()
-        with self._lock:
-            for i in range(self.num_workers):
-                self._spawn(i)
-        self._thread = threading.Thread(target=self._monitor, name="rollfleet-node-agent", daemon=True)
-        self._thread.start()
+        try:
+            os.chmod(self.private_dir, 0o700)
+            # Owned as a supervisor's is: an agent killed with its workers (its process group sent
+            # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
+            claim_private_dir(self.private_dir)
+            sweep_private_dirs(os.path.dirname(self.private_dir))
+            sweep_stale_segments()
+            with self._lock:
+                for i in range(self.num_workers):
+                    if self._stop_asked():
+                        break  # the monitor, started below, stops those already spawned
+                    self._spawn(i)
+            thread = threading.Thread(target=self._monitor, name="rollfleet-node-agent", daemon=True)
+            thread.start()
+            self._thread = thread
+        except BaseException:
+            self._done.set()
+            self._stop_workers(self._grace_s)
+            raise
         logger.info("node %s joined %s with %d workers", self.node_id, self._router["address"], self.num_workers)
 
     def _get(self, key: str) -> bytes | None:
@@ -277,44 +292,53 @@ class NodeAgent:
         limit = timeout.total_seconds() if timeout is not None else 300.0
         deadline = time.monotonic() + limit
         while not self.store.check([key]):
-            if self._done.wait(0.1):
+            if self._done.wait(0.1) or self._signaled:
                 return None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"store key {key!r} not set within {limit:.0f}s")
         return self.store.get(key)
 
+    def _stop_asked(self) -> bool:
+        return self._done.is_set() or self._signaled
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the agent has stopped (fleet closed, store gone, the supervisor's beat
-        standing still for supervisor_timeout_s, shutdown()) and with it its workers, its private
-        directory removed; True if it did. An agent that never joined (stopped while it waited
-        to) has nothing to stop: True once it was asked to."""
-        if self._thread is None:
-            return self._done.wait(timeout)
+        standing still for supervisor_timeout_s, its watch failed (``error``), shutdown()) and
+        with it its workers, its private directory removed; True if it did. An agent stopped
+        before it joined has nothing to stop: True once start() returned."""
         return self._stopped.wait(timeout)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop every worker (SIGTERM to its tree, then SIGKILL after ``grace_s``) and remove the
-        private dir; what the agent does by itself when it stops on its own."""
+        private dir; what the agent does by itself when it stops on its own. Returns once that is
+        done, by this call or by the agent."""
         self._grace_s = grace_s
         self._done.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=grace_s + 10)  # it stops the workers on its way out
-        self._stop_workers(grace_s)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=grace_s + 10)  # it stops the workers on its way out
+        self._stop_workers(grace_s)  # waits for a stop still running in that thread
 
     def _stop_workers(self, grace_s: float) -> None:
-        with self._lock:
-            procs, self.procs = list(self.procs.values()), {}
-        for proc in procs:
-            proc.terminate()
-        deadline = time.monotonic() + grace_s
-        while any(p.alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for proc in procs:
-            proc.kill()
-            proc.close()
-        if self.private_dir:
-            remove_private_dir(self.private_dir)
-        self._stopped.set()
+        with self._stop_lock:
+            try:
+                with self._lock:
+                    procs, self.procs = list(self.procs.values()), {}
+                for proc in procs:
+                    proc.terminate()
+                deadline = time.monotonic() + grace_s
+                while any(p.alive() for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                for proc in procs:
+                    try:
+                        proc.kill()
+                        proc.close()
+                    except Exception as exc:  # one stuck past its kill (a hung driver): the others still go
+                        logger.warning("node %s: worker pid %s did not end: %r", self.node_id, proc.pid, exc)
+            finally:
+                if self.private_dir:
+                    remove_private_dir(self.private_dir)
+                self._stopped.set()
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, index: int) -> None:
@@ -367,6 +391,9 @@ class NodeAgent:
     def _monitor(self) -> None:
         try:
             self._watch_fleet()
+        except BaseException as exc:  # (a spawn that failed, say): the workers are stopped all the same
+            self.error = exc
+            logger.error("node %s: watching the fleet failed (%r); its workers stop", self.node_id, exc)
         finally:
             # However it stopped: the workers of a closed fleet exit on their own (its shutdown
             # message), those of a supervisor gone silent would not; the private dir goes too.
@@ -514,8 +541,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run a node agent from parsed options until the fleet closes or a signal; returns the exit
-    code (0 stopped, 1 the store could not be reached or the fleet joined; bad options exit 2
-    through ``parser``)."""
+    code (0 stopped, 1 the store could not be reached, the fleet could not be joined or watching
+    it failed; bad options exit 2 through ``parser``)."""
     # Checked before the store is reached, which may take --timeout to fail.
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
@@ -555,7 +582,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         # What the agent waits on: a signal also ends its wait for the router or for admission.
-        signal.signal(sig, lambda *_: agent._done.set())
+        signal.signal(sig, lambda *_: setattr(agent, "_signaled", True))  # no lock in a handler
     try:
         try:
             agent.start()
@@ -564,7 +591,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                   f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
             return 1
         while not agent.wait(0.2):
-            pass
+            if agent._signaled:
+                agent._done.set()
+        if agent.error is not None:
+            print(f"rollfleet node: stopped: watching the fleet failed: {type(agent.error).__name__}: "
+                  f"{str(agent.error).splitlines()[0] if str(agent.error) else ''}", file=sys.stderr)
+            return 1
     finally:
         agent.shutdown()
     return 0

@@ -175,8 +175,8 @@ import time
 from typing import Any
 
 
-from common import (bench_parser, finite_float, machine_info, memcpy_gbps, png_path, print_table, run_loop,
-                    run_main, child_env, stop_signals, stopped_by, summarize, write_json)
+from common import (ENGINES_SATURATED, bench_parser, finite_float, machine_info, memcpy_gbps, png_path, print_table,
+                    run_loop, run_main, child_env, stop_signals, stopped_by, summarize, write_json)
 
 if __name__ == "__main__":
     stop_signals()  # first: a signal while the imports below run (seconds) stops cleanly too
@@ -194,7 +194,6 @@ PARAMS = SamplingParams(max_tokens=1)
 LOOP_SATURATED = 0.9  # of one core: the event loop has no time left to give
 LOOP_WAITS = 0.1  # of the wall time: the loop thread, ready to run, waited this long for a core
 MACHINE_SATURATED = 0.9  # of all cores
-ENGINES_SATURATED = 0.9  # of the paced engines' capacity
 PACED_QUEUED = 2  # queued: full batches per paced worker in flight, one running and the rest waiting on it
 ROUNDS = 3  # throughput: the median of this many floods per fleet size, taken in turns
 BLOCK = 100  # unloaded latency: calls per fleet size per turn
@@ -478,10 +477,12 @@ def steady_rate(done: list[float], per_round: int) -> float:
     filled, each slot runs one request after the other, so a round's results come as spread out as
     the first round's did; between their medians, the time the first dispatches took (the spread)
     and the end of the flood (its last results) drop out, and what is left is the engines' pace."""
+    if per_round < 1:
+        raise ValueError(f"per_round must be >= 1, got {per_round}")
     done = sorted(done)
     rounds = len(done) // per_round
-    if rounds < 2:
-        return len(done) / max(done[-1] - done[0], 1e-9)
+    if rounds < 2:  # (not from paced_in_turns: 4 rounds or more) the calls after the first, over their span
+        return (len(done) - 1) / (done[-1] - done[0]) if len(done) > 1 and done[-1] > done[0] else 0.0
     first = statistics.median(done[:per_round])
     last = statistics.median(done[(rounds - 1) * per_round:rounds * per_round])
     return (rounds - 1) * per_round / max(last - first, 1e-9)

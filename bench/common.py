@@ -66,6 +66,7 @@ __all__ = [
 CHILD_ENV = "ROLLFLEET_BENCH_CHILD"
 """Set to "1" in the environment of a bench script's own child processes (``child_env()``), so
 that ``stop_signals()`` treats them as children from their first line on."""
+ENGINES_SATURATED = 0.9  # of paced engines' capacity: delivered that, they were the limit
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _stopped_by: int | None = None  # the signal that is stopping this process, once one came
 _quiet = False  # a child process: its parent says what happened

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import MACHINE_KEYS
+from common import ENGINES_SATURATED, MACHINE_KEYS
 
 __all__ = ["Row", "Spec", "Outcome", "write_report", "bottleneck_text", "copy_png"]
 
@@ -315,7 +315,11 @@ def bottleneck_text(m: dict[str, Any]) -> str:
                 f"delivered {listed(m, 'paced_queued_vs_capacity_{}w', ps, '.2f')} of the engines' capacity, the "
                 f"loop busy {listed(m, 'paced_queued_loop_cpu_{}w', ps, '.2f')} of a core: a request still spent "
                 f"{listed(m, 'paced_queued_outside_mean_ms_{}w', ps, '.1f')} ms outside its worker, but its engine "
-                "had the next one meanwhile, so the supervisor's work per round no longer cost the engines time.")
+                "had the next one meanwhile"
+                + (", so the supervisor's work per round no longer cost the engines time."
+                   if m.get("paced_queued_vs_capacity_min", 0) >= ENGINES_SATURATED else
+                   f"; below {ENGINES_SATURATED:g} of the capacity at "
+                   f"{min(ps, key=lambda n: m[f'paced_queued_vs_capacity_{n}w'])} workers all the same."))
         rs = sizes_in(m, "paced_ranks_rps_", "r")
         if len(rs) > 1 and "paced_ranks_workers" in m:
             text.append(

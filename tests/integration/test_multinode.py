@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -329,6 +330,29 @@ async def test_an_agent_run_in_process_stops_its_workers_and_removes_its_dir_bef
     finally:
         agent.shutdown(grace_s=1)
         del agent_store, store
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_stopped_while_it_waits_for_the_router_is_done_once_start_returns(tmp_path):
+    # No supervisor publishes a router: start() waits for one until shutdown() from another
+    # thread; then wait() says the agent stopped (it had nothing to stop) instead of blocking.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                                       wait_for_workers=False)
+    agent = NodeAgent(store, num_workers=1, private_dir_root=str(tmp_path))
+    joining = threading.Thread(target=agent.start)
+    joining.start()
+    try:
+        time.sleep(0.3)
+        assert joining.is_alive() and not agent.wait(0)  # still waiting for the router: not stopped
+        agent.shutdown(grace_s=1)
+        joining.join(10)
+        assert not joining.is_alive()
+        assert agent.wait(5) and agent.error is None
+        assert agent.private_dir is None and os.listdir(tmp_path) == []
+    finally:
+        agent.shutdown(grace_s=1)
+        joining.join(10)
+        del store
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
