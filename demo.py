@@ -103,6 +103,9 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
     rng = random.Random(seed)
     print(f"starting {num_workers} {engine} workers ...", flush=True)
     t_start = time.monotonic()
+    # The weights the update pushes are built while the workers start (the first build imports
+    # transformers: seconds on a small CPU), not on the rollouts' clock.
+    weights = asyncio.ensure_future(asyncio.to_thread(_same_weights, engine, seed)) if update_weights else None
     async with Supervisor(config) as fleet:
         print(f"fleet ready in {time.monotonic() - t_start:.1f}s; frontend at {fleet.frontend_address}", flush=True)
         client = fleet.client()
@@ -110,6 +113,7 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
         prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(4, 16))] for _ in range(num_requests)]
         results: list[GenerationResult] = []
         errors = 0
+        new_weights = await weights if weights is not None else []
         t0 = time.monotonic()
         tasks = {asyncio.create_task(client.generate(f"demo-{i}", p, params)): i for i, p in enumerate(prompts)}
         to_abort = f"demo-{num_requests - 1}"
@@ -119,7 +123,6 @@ async def _run_demo(engine: str, num_workers: int, num_requests: int, max_tokens
             if not await client.abort(to_abort):
                 tqdm.write(f"{to_abort} had finished before its abort (nothing to stop)", file=sys.stdout)
 
-        new_weights = _same_weights(engine, seed) if update_weights else []
         update = ["skipped" if not update_weights else "not done"]
 
         async def update_midway() -> None:

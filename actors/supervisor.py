@@ -615,7 +615,11 @@ class Supervisor:
         tracker = self._restarts[index]
         recent = tracker.recent(policy.window_s)
         if recent >= policy.max_restarts:
-            logger.error("worker slot %d restarted %d times in %.0fs; giving up on it", index, recent, policy.window_s)
+            if policy.max_restarts == 0:
+                logger.error("worker slot %d died and restarts are off (max_restarts=0); giving up on it", index)
+            else:
+                logger.error("worker slot %d restarted %d times in %.0fs; giving up on it", index, recent,
+                             policy.window_s)
             return
         delay = min(policy.backoff_s * (2**recent), policy.max_backoff_s)
         tracker.record()

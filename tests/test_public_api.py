@@ -72,6 +72,11 @@ def test_demo_runs_on_the_echo_engine_and_exits_cleanly(tmp_path):
     by_version = dict(item.split(": ") for item in rows["tokens by weight version"].split(", "))
     assert set(by_version) == {"v0", "v1"}, out.stdout
     assert sum(map(int, by_version.values())) == int(rows["tokens generated"]), out.stdout
+    # tokens/s is over the rollouts' time: from the requests' start to the last one's end, which
+    # is their slowest latency give or take the abort's and the update's tails; not the seconds
+    # the weights to push took to build (torch's import, here), which once came first on that clock.
+    elapsed = int(rows["tokens generated"]) / float(rows["tokens/s"])
+    assert elapsed <= float(rows["latency p99 (s)"]) + 0.5, out.stdout
     assert not [p for p in os.listdir(tmp_path) if p.startswith("rollfleet-")]
 
 
