@@ -117,8 +117,9 @@ class FleetConfig:
     client_send_hwm: int = 100_000
     """Most messages waiting to go out to one client (a batch counts once). A client with
     more waiting (it stopped reading, or reads more slowly than its answers come: a burst of
-    answers can fill the queue before ZeroMQ empties it) is treated as gone: its requests are cancelled on the workers
-    (no more is sent for them) and stats count it under ``dropped_frames['slow_client']``.
+    answers can fill the queue before ZeroMQ empties it) is treated as gone: its requests are
+    cancelled on the workers (no more is sent for them) and stats count it under
+    ``dropped_frames['slow_client']``.
     0: no limit (its answers then pile up in the supervisor's memory for as long as it
     does not read)."""
     max_sticky: int = 65536
