@@ -594,6 +594,26 @@ async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_go
         proc.wait(10)
 
 
+@contextlib.contextmanager
+def vllm_job(tmp_path, *, served: bool, own_group: bool = False):
+    """Yields (process, the workers' extra environment, its TMPDIR): a job in a process of its
+    own, TMPDIR a fresh short directory (vLLM's socket paths must fit in 107 bytes), in a
+    process group of its own with ``own_group``. On the way out the process (or its whole
+    group) is killed and the directory removed."""
+    short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")
+    proc, env = start_vllm_job(tmp_path, short, served=served, start_new_session=own_group)
+    try:
+        yield proc, env, short
+    finally:
+        if own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(short, ignore_errors=True)
+
+
 def start_vllm_job(tmp_path, tmpdir: str, *, served: bool, **popen) -> tuple[subprocess.Popen, dict]:
     """A job in a process of its own (TMPDIR ``tmpdir``): a one-worker vLLM fleet on the tiny
     Llama, with Intel's OpenMP preloaded where it is installed (as vLLM's CPU guide advises: it
@@ -638,9 +658,7 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
     from rollfleet.actors.process import shm_names_now
 
     before = shm_names_now()
-    short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
-    proc, env = start_vllm_job(tmp_path, short, served=False)
-    try:
+    with vllm_job(tmp_path, served=False) as (proc, env, short):
         assert proc.stdout.readline().strip().startswith(short)  # up
         assert shm_names_now() - before  # the engine shares memory while it runs
         assert not env or any(n.startswith("__KMP_REGISTERED_LIB_") for n in shm_names_now() - before)
@@ -651,10 +669,6 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
             time.sleep(0.2)
         assert not shm_names_now() - before
         assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.mark.vllm
@@ -671,9 +685,7 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
     from rollfleet.actors.process import kmp_names, shm_names_mapped, shm_names_now
 
     before = shm_names_now()
-    short = tempfile.mkdtemp(prefix="rft-", dir="/tmp")  # vLLM's socket paths must fit in 107 bytes
-    proc, _ = start_vllm_job(tmp_path, short, served=True, start_new_session=True)
-    try:
+    with vllm_job(tmp_path, served=True, own_group=True) as (proc, _, short):
         private_dir = proc.stdout.readline().strip()
         assert private_dir.startswith(short)
         group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -692,11 +704,6 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
         asyncio.run(next_fleet())
         assert not shm_names_now() & shared, "left in /dev/shm"
         assert not [p for p in os.listdir(short) if p.startswith("rollfleet-")]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.mark.timeout(180)
