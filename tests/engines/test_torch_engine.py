@@ -16,7 +16,6 @@ from rollfleet.engines.tiny import build_tiny_llama, tiny_llama_model  # noqa: E
 from rollfleet.engines.torch_batch import sample  # noqa: E402
 from rollfleet.engines.base import EngineDead, WeightsRefused  # noqa: E402
 from rollfleet.engines.torch_engine import TorchEngine  # noqa: E402
-from rollfleet.engines.torch_runner import Runner  # noqa: E402
 from rollfleet.errors import DuplicateRequest, FleetClosed, InvalidRequest, Unsupported  # noqa: E402
 from rollfleet.transport.messages import SamplingParams  # noqa: E402
 
@@ -514,22 +513,26 @@ async def test_shutdown_ends_open_streams_and_is_idempotent():
         await eng.pause()
 
 
-async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead(monkeypatch):
+class InjectedFault(BaseException):
+    """Raised by the model or by a caller's weights: not an Exception, so the engine thread,
+    which turns an Exception into that request's or that call's error, dies of it."""
+
+
+async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead():
     eng = TorchEngine({})
     await eng.start()
     try:
         running = eng.generate("running", [1, 3], GREEDY.replace(max_tokens=400))
         await anext(running)
-        emit = Runner._emit
 
-        def failing_emit(self, seqs, logits, out):
-            if any(seq.request_id == "killer" for seq in seqs):
-                raise RuntimeError("injected fault")
-            return emit(self, seqs, logits, out)
+        def fault(module, args, kwargs):  # the model itself fails, on the killer's prefill
+            ids = kwargs.get("input_ids")
+            if ids is not None and ids.tolist() == [[1, 4]]:
+                raise InjectedFault("injected fault")
 
-        monkeypatch.setattr(Runner, "_emit", failing_emit)
-        # The thread dies sampling the killer's first token, after its prefill: the killer is then
-        # neither waiting nor in the batch, and must be told all the same.
+        eng.model.register_forward_pre_hook(fault, with_kwargs=True)
+        # The thread dies in the killer's prefill: the killer is then neither waiting nor in the
+        # batch, and must be told all the same.
         with pytest.raises(EngineDead, match="injected fault"):
             await asyncio.wait_for(collect(eng, "killer", [1, 4], GREEDY), 10)
         with pytest.raises(EngineDead, match="torch engine thread died"):
@@ -546,20 +549,19 @@ async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead(monk
         await eng.shutdown()
 
 
-async def test_a_control_call_the_engine_thread_dies_in_fails_with_engine_dead(monkeypatch):
-    class Fault(BaseException):  # not an Exception: the thread does not catch it
-        pass
+async def test_a_control_call_the_engine_thread_dies_in_fails_with_engine_dead():
+    def weights():  # consumed on the engine thread, inside load_weights
+        raise InjectedFault("injected fault")
+        yield  # a generator
 
-    def set_paused(self, paused):
-        raise Fault("injected fault")
-
-    monkeypatch.setattr(Runner, "set_paused", set_paused)
     eng = TorchEngine({})
     await eng.start()
     try:
         with pytest.raises(EngineDead, match="injected fault"):
-            await asyncio.wait_for(eng.pause(), 10)
+            await asyncio.wait_for(eng.load_weights(weights()), 10)
         assert eng.dead
+        with pytest.raises(EngineDead):
+            await eng.pause()
     finally:
         await eng.shutdown()
 

@@ -3,11 +3,14 @@ its requests resume on the other worker; none fails, none is left waiting. One t
 weight update fails that update, and the next one goes to the restarted worker.
 
 Nothing a request or an update can carry makes the engine thread raise, so the workers of
-these tests load a ``sitecustomize`` (on their PYTHONPATH only) that makes it raise: once,
-while it samples a request with a given seed (the marker file makes it fire in one worker
-only, so the request that set it off completes where it resumes), or when it is given a
-tensor named ``kill.engine``.
+these tests load a ``sitecustomize`` (on their PYTHONPATH only) that makes the layers under
+rollfleet fail, with a BaseException (which the thread does not catch, as it would an
+Exception): transformers' Llama model, on the prefill of one given prompt, and torch's
+``state_dict`` of that model (the first thing a weight load reads), once a marker file says
+so. Each fires once only (a marker file), so the request that set one off completes where it
+resumes, and the restarted worker loads weights.
 """
+
 
 from __future__ import annotations
 
@@ -29,40 +32,47 @@ from .helpers import assert_clean, wait_for, worker_pids  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
-KILLER_SEED = 424242
+KILLER_PROMPT = [1, 5]  # the killer's first prefill sets off the fault
 
 HOOK = textwrap.dedent(f"""
     import os
 
     if "ROLLFLEET_WORKER_CONFIG" in os.environ and "ENGINE_FAULT_MARKER" in os.environ:
-        from rollfleet.engines import torch_runner
+        import torch
+        from transformers import LlamaForCausalLM
 
-        _emit = torch_runner.Runner._emit
-
-        def _failing_emit(self, seqs, logits, out):
-            if any(s.params.seed == {KILLER_SEED} and len(s.tokens) >= 3 for s in seqs):
-                try:
-                    os.close(os.open(os.environ["ENGINE_FAULT_MARKER"], os.O_CREAT | os.O_EXCL))
-                except FileExistsError:
-                    pass
-                else:
-                    raise RuntimeError("injected fault in the engine thread")
-            return _emit(self, seqs, logits, out)
-
-        torch_runner.Runner._emit = _failing_emit
-
-        class InjectedFault(BaseException):  # not an Exception: the thread does not catch it
+        class InjectedFault(BaseException):
             pass
 
-        _load_weights = torch_runner.Runner.load_weights
+        def _fire(path):
+            # True the first time in any worker: the marker is created, or taken away, once.
+            try:
+                if path.endswith("fired"):
+                    os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+                else:
+                    os.unlink(path)
+            except (FileExistsError, FileNotFoundError):
+                return False
+            return True
 
-        def _failing_load_weights(self, weights):
-            weights = list(weights)
-            if any(name == "kill.engine" for name, _ in weights):
+        _forward = LlamaForCausalLM.forward
+
+        def _failing_forward(self, *args, **kwargs):
+            ids = kwargs.get("input_ids")
+            if ids is not None and ids.tolist() == [{KILLER_PROMPT}] and _fire(os.environ["ENGINE_FAULT_MARKER"]):
                 raise InjectedFault("injected fault in the engine thread")
-            return _load_weights(self, weights)
+            return _forward(self, *args, **kwargs)
 
-        torch_runner.Runner.load_weights = _failing_load_weights
+        LlamaForCausalLM.forward = _failing_forward
+
+        _state_dict = torch.nn.Module.state_dict
+
+        def _failing_state_dict(self, *args, **kwargs):
+            if isinstance(self, LlamaForCausalLM) and _fire(os.environ["LOAD_FAULT_MARKER"]):
+                raise InjectedFault("injected fault in the engine thread")
+            return _state_dict(self, *args, **kwargs)
+
+        torch.nn.Module.state_dict = _failing_state_dict
 """)
 
 
@@ -70,7 +80,7 @@ def hooked_workers(tmp_path) -> dict[str, str]:
     """The environment of workers that load HOOK."""
     (tmp_path / "sitecustomize.py").write_text(HOOK)
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
-            "ENGINE_FAULT_MARKER": str(tmp_path / "fired")}
+            "ENGINE_FAULT_MARKER": str(tmp_path / "fired"), "LOAD_FAULT_MARKER": str(tmp_path / "kill-on-load")}
 
 
 async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_resume(tmp_path):
@@ -83,8 +93,9 @@ async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_r
         client = sup.client()
         greedy = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
         tasks = [asyncio.create_task(client.generate(f"r{i}", [1, 10 + i], greedy)) for i in range(6)]
-        sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=KILLER_SEED, ignore_eos=True)
-        tasks.append(asyncio.create_task(client.generate("killer", [1, 5], sampled)))
+        await asyncio.sleep(0.2)  # they are decoding when the killer comes
+        sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=424242, ignore_eos=True)
+        tasks.append(asyncio.create_task(client.generate("killer", KILLER_PROMPT, sampled)))
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert marker.exists()  # the engine thread of one worker did die
         for r in results:
@@ -115,8 +126,10 @@ async def test_an_engine_that_dies_in_a_weight_update_is_restarted_and_the_next_
     async with sup:
         pids = worker_pids(sup)
         client = sup.client()
+        (tmp_path / "kill-on-load").touch()  # the next weight load in a worker dies
         with pytest.raises(WeightUpdateError, match="EngineDead: torch engine thread died") as info:
-            await client.update_weights([("kill.engine", torch.zeros(2))], version=1)
+            await client.update_weights(tiny_llama_model(seed=2).named_parameters(), version=1)
+        assert not (tmp_path / "kill-on-load").exists()  # it did fire
         assert "injected fault in the engine thread" in str(info.value)
         # The worker said why and exited, and the failed update did not end before it was gone:
         # the next one waits for the restarted worker instead of reaching the dead one.
