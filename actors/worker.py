@@ -330,13 +330,9 @@ class EngineWorker:
         if not self._inline:
             self._tasks[msg.id] = asyncio.create_task(coro)
             return
-        context = contextvars.copy_context()
-        try:
-            waiting = context.run(coro.send, None)
-        except StopIteration:
-            return
-        task = asyncio.get_running_loop().create_task(_Continue(coro, waiting), context=context)
-        self._tasks[msg.id] = task
+        task = start_inline(coro)
+        if task is not None:
+            self._tasks[msg.id] = task
 
     async def _serve(self, msg: Generate) -> None:
         assert self.engine is not None
@@ -534,6 +530,17 @@ class EngineWorker:
             "weight_version": self.weight_version,
             "engine": engine_stats,
         }
+
+
+def start_inline(coro: Any) -> asyncio.Task[Any] | None:
+    """Run ``coro`` here, in a copy of the current context, up to its first suspension; then a
+    Task goes on from exactly there, in that same context. None when it finished without one."""
+    context = contextvars.copy_context()
+    try:
+        waiting = context.run(coro.send, None)
+    except StopIteration:
+        return None
+    return asyncio.get_running_loop().create_task(_Continue(coro, waiting), context=context)
 
 
 class _Continue(collections.abc.Coroutine):  # type: ignore[type-arg]

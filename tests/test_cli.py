@@ -271,8 +271,12 @@ def test_demo_whose_worker_cannot_start_says_why_then_shows_the_workers_output(t
     out = run("demo", "--workers", "1", "--model", str(tmp_path))  # a directory with no model in it
     assert out.returncode == 1 and "Traceback (most recent call last)" not in out.stderr.splitlines()[0], out.stderr
     lines = out.stderr.strip().splitlines()
-    assert lines[0].startswith("rollfleet demo: WorkerStartError: worker w0-0 failed to start"), out.stderr
-    assert len(lines) > 1  # the end of the worker's own output follows
+    assert lines[0].startswith("rollfleet demo: WorkerStartError: worker w0-0 failed to start: engine failed to "
+                               "start: ValueError"), out.stderr
+    assert str(tmp_path) in lines[0], out.stderr  # why: the model directory it could not load
+    # The end of the worker's own output follows: its traceback, down to the error it ended with.
+    assert "Traceback (most recent call last):" in lines[1:], out.stderr
+    assert lines[-1].startswith("ValueError: ") and str(tmp_path) in lines[-1], out.stderr
 
 
 def test_an_unknown_option_is_said_by_the_command_it_was_given_to():

@@ -4,6 +4,7 @@ what could not run. The report goes to a temporary path, never over bench/RESULT
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import os
@@ -50,7 +51,7 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     for n in (1, 2):
         # The loop is one thread: it cannot use more than one core, nor less than nothing.
         assert 0 < metrics[f"supervisor_loop_cpu_{n}w"] <= 1.05
-        assert metrics[f"workers_cpu_{n}w"] >= 0 and metrics[f"bottleneck_{n}w"]
+        assert metrics[f"workers_cpu_{n}w"] > 0 and metrics[f"bottleneck_{n}w"]
     assert metrics["machine_cores"] >= 1
     for n in (1, 2):
         # Paced workers cannot finish more than their capacity (8 at once, 200 tokens/s, 16 tokens:
@@ -78,7 +79,7 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         assert 0.3 < metrics[f"paced_queued_vs_capacity_{n}w"] <= 1.1
         assert metrics[f"paced_queued_vs_capacity_{n}w"] == pytest.approx(metrics[f"paced_queued_rps_{n}w"] / (100 * n))
         assert 0 < metrics[f"paced_queued_loop_cpu_{n}w"] <= 1.05
-        assert metrics[f"paced_queued_outside_mean_ms_{n}w"] >= 0
+        assert metrics[f"paced_queued_outside_mean_ms_{n}w"] > 0
     assert metrics["paced_queued_vs_capacity_min"] == min(metrics["paced_queued_vs_capacity_1w"],
                                                           metrics["paced_queued_vs_capacity_2w"])
     # The 2 paced workers again as 1 and as 2 ranks: the same engines' capacity in both.
@@ -129,7 +130,7 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     assert "| the same fleet driven by its in-process client |" in text and "Fed through its frontend" in text
     assert "`bench_rpc`: not run: not selected" in text
     assert "| A | " in text  # the machines table names this machine
-    if (out / "bench_scaling.png").exists():  # matplotlib is an optional extra
+    if importlib.util.find_spec("matplotlib") is not None:  # an optional extra: with it, the plot must be there
         assert "](results/bench_scaling.png)" in text
         assert (tmp_path / "results" / "bench_scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

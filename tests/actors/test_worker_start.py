@@ -1,5 +1,6 @@
-"""The worker's inline start: a request's coroutine runs up to its first suspension in the
-socket callback, then a Task takes over from exactly there (actors.worker._Continue)."""
+"""The worker's inline start (actors.worker.start_inline, what EngineWorker._start runs for engines
+that allow it): a request's coroutine runs up to its first suspension in the socket callback,
+then a Task takes over from exactly there."""
 
 from __future__ import annotations
 
@@ -8,19 +9,9 @@ import contextvars
 
 import pytest
 
-from rollfleet.actors.worker import _Continue
+from rollfleet.actors.worker import start_inline
 
 request = contextvars.ContextVar("request", default=None)
-
-
-def start_inline(coro):
-    """What EngineWorker._start does, minus the worker: (task or None, context)."""
-    context = contextvars.copy_context()
-    try:
-        waiting = context.run(coro.send, None)
-    except StopIteration:
-        return None, context
-    return asyncio.get_running_loop().create_task(_Continue(coro, waiting), context=context), context
 
 
 async def test_a_coroutine_that_never_suspends_finishes_inline_without_a_task():
@@ -29,7 +20,7 @@ async def test_a_coroutine_that_never_suspends_finishes_inline_without_a_task():
     async def quick():
         done.append(request.get())
 
-    task, _ = start_inline(quick())
+    task = start_inline(quick())
     assert task is None and done == [None]
 
 
@@ -45,7 +36,7 @@ async def test_the_task_goes_on_from_the_first_suspension_in_the_same_context():
         await asyncio.sleep(0)  # a bare yield works too
         return "done"
 
-    task, _ = start_inline(serve())
+    task = start_inline(serve())
     assert steps == ["first"] and request.get() is None  # the caller's context is untouched
     gate.set_result(42)
     assert await task == "done"
@@ -62,7 +53,7 @@ async def test_a_cancel_before_the_task_runs_reaches_the_coroutine():
         finally:
             cleaned.append(True)
 
-    task, _ = start_inline(serve())
+    task = start_inline(serve())
     task.cancel()  # before the task's first step
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -76,7 +67,7 @@ async def test_an_exception_after_the_first_suspension_fails_the_task():
         await gate
         raise ValueError("engine broke")
 
-    task, _ = start_inline(serve())
+    task = start_inline(serve())
     gate.set_result(None)
     with pytest.raises(ValueError, match="engine broke"):
         await task

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 
 import pytest
@@ -183,10 +184,24 @@ def test_bad_options_and_helpers():
     assert finish_reason({"finish_reason": None}) is None
 
 
-async def test_sglang_import_is_lazy_and_missing_sglang_fails_at_start():
-    eng = SglangEngine({"model": "m"})  # building the adapter imports nothing
-    try:
-        import sglang  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError):
-            await eng.start()
+def test_sglang_import_is_lazy_and_missing_sglang_fails_at_start(tmp_path):
+    # An sglang package that fails to import, ahead of any real one: building the adapter must
+    # not touch it (a fleet of other engines never imports sglang), and start() must fail with
+    # the ImportError.
+    shadow = tmp_path / "nosglang" / "sglang"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('sglang left out by the test')\n")
+    code = (
+        "import asyncio, sys\n"
+        "from rollfleet.engines import create_engine\n"
+        "eng = create_engine('sglang', {'model': 'm'})\n"
+        "assert 'sglang' not in sys.modules, 'building the adapter imported sglang'\n"
+        "try:\n"
+        "    asyncio.run(eng.start())\n"
+        "except ImportError as exc:\n"
+        "    print('start:', exc)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "start: sglang left out by the test", out.stdout + out.stderr

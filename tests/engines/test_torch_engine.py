@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 
@@ -455,12 +456,18 @@ async def test_load_weights_says_when_the_names_are_another_wrappers(fresh, pref
 
 
 async def test_load_weights_while_requests_run(fresh):
-    stream = fresh.generate("w-live", [1, 7, 9], GREEDY.replace(max_tokens=300))
-    tokens = (await anext(stream)).token_ids
+    old = copy.deepcopy(fresh.model)
+    prompt = [1, 7, 9]
+    stream = fresh.generate("w-live", prompt, GREEDY.replace(max_tokens=300))
+    tokens = list((await anext(stream)).token_ids)
+    before = len(tokens)
     await fresh.load_weights(tiny_llama_model(seed=2).state_dict().items())
     async for out in stream:
         tokens += out.token_ids
     assert len(tokens) == 300
+    old_greedy = hf_greedy(old, prompt, 300)
+    assert tokens[:before] == old_greedy[:before]  # made by the old weights
+    assert tokens != old_greedy  # and the new ones took over mid-stream
 
 
 async def test_profile_writes_a_chrome_trace(fresh, tmp_path):

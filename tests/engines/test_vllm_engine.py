@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import stat
 import tempfile
 
@@ -326,8 +327,11 @@ async def test_an_abort_while_paused_ends_the_request_at_once(engine, hf):
     finally:
         await engine.resume()
 
-async def test_clear_kv_cache_and_unsupported_lora_and_profile(engine):
+async def test_clear_kv_cache_and_unsupported_lora_and_profile(engine, hf):
+    assert (await collect(engine, "pre-clear", PROMPT, greedy()))[0] == hf_greedy(hf, PROMPT)  # now cached
     await engine.clear_kv_cache()
+    # It serves on after the clear, and the prompt whose cache it dropped comes out alike.
+    assert (await collect(engine, "post-clear", PROMPT, greedy()))[0] == hf_greedy(hf, PROMPT)
     from rollfleet.errors import Unsupported
 
     with pytest.raises(Unsupported):
@@ -478,18 +482,34 @@ async def test_a_weight_update_while_asleep_maps_the_weights_back_first_and_leav
     assert llm.calls[-2:] == [("wake_up", None), ("rollfleet_load_shm",)]
 
 
-async def test_an_engine_whose_vllm_engine_process_died_is_dead(tmp_path):
-    # vLLM's AsyncLLM says so through its ``errored`` property once its engine core is gone;
-    # a stand-in with that property (the real one needs the engine process to crash).
-    class ErroredStandIn:
-        errored = True
+async def test_an_engine_whose_vllm_engine_process_died_is_dead(model_dir):
+    # A real engine whose EngineCore process is killed (an OOM kill, say): vLLM's AsyncLLM
+    # sees it gone and says so (``errored``); the adapter is then dead, its calls fail with
+    # EngineDead, and its shutdown still leaves nothing running.
+    import psutil
 
-    engine = VllmEngine({"model": str(tmp_path)})
-    assert not engine.dead
-    engine.llm = ErroredStandIn()
-    assert engine.dead and engine.stats()["dead"]
-    with pytest.raises(EngineDead, match="engine process died"):
-        await engine.clear_kv_cache()
+    from ..helpers import wait_for
+
+    short = tempfile.mkdtemp(prefix="rfv-")  # vLLM's socket paths must fit in 107 characters
+    eng = VllmEngine({"model": model_dir, "dtype": "float32", "seed": 0, "private_dir": short})
+    await eng.start()
+    try:
+        assert (await collect(eng, "before", PROMPT, greedy(4)))[2] == "length"
+        assert not eng.dead
+        children = list(eng._children)
+        me = psutil.Process()
+        (core,) = [p for p in children if p.ppid() == me.pid and "resource_tracker" not in " ".join(p.cmdline())]
+        core.kill()
+        assert await wait_for(lambda: eng.dead, 60), "the adapter did not see its engine process die"
+        assert eng.stats()["dead"]
+        with pytest.raises(EngineDead, match="engine process died"):
+            await eng.clear_kv_cache()
+    finally:
+        await eng.shutdown()
+        left = sockets_in(short)
+        shutil.rmtree(short, ignore_errors=True)  # (a fleet's private directory: its supervisor removes it)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    assert not left
 
 
 async def test_tied_embeddings_update_from_named_parameters_reaches_the_lm_head(tmp_path):

@@ -3,7 +3,8 @@
 vLLM's loader fails on an unknown name half-way through a reload, which leaves its model
 unusable (EngineDead: the worker is restarted, a minute or more with a real model). Names
 that all carry a wrapper's prefix are refused up front instead, like the torch engine does,
-and the engine serves on. No vLLM is started here: the refusal comes before any call to it.
+and the engine serves on. No vLLM is started here: the refusal comes before any call to it (a stand-in for vLLM's
+AsyncLLM records the calls that do reach it).
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollfleet.engines.base import WeightsRefused  # noqa: E402
+from rollfleet.engines.base import EngineDead, WeightsRefused  # noqa: E402
 from rollfleet.engines.tiny import tiny_llama_model  # noqa: E402
 from rollfleet.engines.vllm_engine import VllmEngine  # noqa: E402
 
 
-class FakeLLM:
+class AsyncLLMStandIn:
+    """A stand-in for vLLM's AsyncLLM, with its ``collective_rpc`` signature: it records each
+    call and fails it as vLLM's loader fails on an unknown name. What is checked is that the
+    refused updates never reach it."""
+
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def collective_rpc(self, method, kwargs=None):  # type: ignore[no-untyped-def]
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.calls.append(method)
         raise RuntimeError("There is no module or parameter named 'module' in LlamaForCausalLM")
 
@@ -29,7 +34,7 @@ class FakeLLM:
 @pytest.fixture
 def engine():
     eng = VllmEngine({"model": "/nonexistent"})
-    eng.llm = FakeLLM()
+    eng.llm = AsyncLLMStandIn()
     return eng
 
 
@@ -64,6 +69,7 @@ async def test_names_wrapped_inside_are_refused_too(engine):
 async def test_plain_names_still_reach_vllm(engine):
     descriptor = {"name": "unused", "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [128],
                                                   "offset": 0, "nbytes": 512}]}
-    with pytest.raises(Exception):
+    # It reaches vLLM, whose failure half-way through a load kills the engine (as it would).
+    with pytest.raises(EngineDead, match="vllm weight load failed"):
         await engine.load_weights_from_descriptor(descriptor)
-    assert engine.llm.calls == ["rollfleet_load_shm"]
+    assert engine.llm.calls == ["rollfleet_load_shm"] and engine.dead

@@ -165,6 +165,7 @@ async def test_worker_sigkill_resumes_its_requests_on_a_healthy_worker():
         await asyncio.sleep(0.1)
         victim = sup.slots[0]
         moved = {e.request_id for e in sup.table.on_worker(victim.worker_id)}
+        assert moved  # requests were running on it: the checks below are about them
         os.kill(victim.pid, signal.SIGKILL)
         for i, t in enumerate(tasks):
             r = await t

@@ -31,7 +31,9 @@ def test_generate_batch_update_and_controls_from_plain_code():
         r = fleet.generate("x", [5], SamplingParams(max_tokens=3))
         assert r.token_ids == expected_tokens([5], 3, offset=3) and r.weight_versions == [4]
         fleet.sleep()
+        assert [w["engine_stats"]["sleeping"] for w in fleet.stats()["workers"]] == [True, True]
         fleet.wake_up()
+        assert [w["engine_stats"]["sleeping"] for w in fleet.stats()["workers"]] == [False, False]
         workers = fleet.control("clear_kv_cache")
         assert sorted(workers) == sorted(w["worker_id"] for w in fleet.stats()["workers"])
         assert all(data == {"op": "clear_kv_cache"} for data in workers.values())
