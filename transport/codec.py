@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import typing
 from types import MemberDescriptorType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import msgpack
 
@@ -200,6 +200,20 @@ def build(cls: type[Message], *values: Any) -> Message:
     return msg
 
 
+class Ext(NamedTuple):
+    """An ext value (no field of the protocol holds one): kept as read, whatever its type code,
+    so that one in a field the receiver does not know is skipped with it. msgpack's own
+    ExtType refuses the codes it reserves (-128..-2), and the frame would fail for a field
+    nobody reads. Timestamps (-1) are msgpack's, checked by it."""
+
+    code: int
+    data: bytes
+
+
+def _ext(code: int, data: bytes) -> Ext:
+    return Ext(code, data)
+
+
 def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict[str, Any]:
     """Unpack a header frame to a map, checking size, shape, version and id. A batch some of
     whose messages cannot be unpacked still decodes: each of those is the DecodeError it would
@@ -207,7 +221,7 @@ def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_B
     if len(raw) > max_bytes:
         raise DecodeError("too_large", f"header of {len(raw)} bytes exceeds {max_bytes}")
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_ext)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         header = _unpack_apart(raw, exc)
     try:
@@ -259,7 +273,7 @@ def _unpack_apart(raw: bytes | memoryview, exc: Exception) -> dict[str, Any]:
     view = memoryview(raw)
     header: dict[str, Any] = {}
     try:
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(view), 1))
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_ext, max_buffer_size=max(len(view), 1))
         unpacker.feed(view)
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
@@ -289,7 +303,7 @@ def _cut_out(view: memoryview, unpacker: msgpack.Unpacker) -> Any:
     unpacker.skip()  # builds nothing: neither str (UTF-8) nor map keys are looked at
     item = view[start:unpacker.tell()]
     try:
-        return msgpack.unpackb(item, raw=False, strict_map_key=True)
+        return msgpack.unpackb(item, raw=False, strict_map_key=True, ext_hook=_ext)
     except Exception as exc:
         return _failure(item, exc)
 
@@ -306,11 +320,12 @@ def _read_id(raw: bytes | memoryview) -> str | None:
 def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
     """The top-level ``id`` and ``type`` of a map frame, reading the keys and skipping every
     other value unbuilt (no map is made, whatever its keys); (None, None) when its top level
-    cannot be read through, as it might then be a batch."""
+    cannot be read through before its type is known, as it might then be a batch."""
     msg_id = type_tag = None
+    typed = False  # the type's value was reached
     view = memoryview(raw)
     try:
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(view), 1))
+        unpacker = msgpack.Unpacker(raw=False, ext_hook=_ext, max_buffer_size=max(len(view), 1))
         unpacker.feed(view)
         for _ in range(unpacker.read_map_header()):
             if _is_str(view[unpacker.tell()]):
@@ -322,7 +337,11 @@ def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
             if key == "id":
                 msg_id = unpacker.unpack()
             elif key == "type":
-                type_tag = unpacker.unpack()
+                typed = True
+                if _is_str(view[unpacker.tell()]):
+                    type_tag = unpacker.unpack()
+                else:  # no type at all (a map of int keys, say): skipped unbuilt, no batch
+                    unpacker.skip()
             elif count is not None and count <= MAX_BATCH_APART:
                 unpacker.read_array_header()
                 for _ in range(count):  # one by one: each message may nest as deep as a frame
@@ -330,7 +349,10 @@ def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
             else:
                 unpacker.skip()
     except Exception:
-        return None, None
+        # Read part-way. What was read stands once the type's value was reached: a frame
+        # whose type is "batch", or might be, is the only one answered without an id.
+        if not typed:
+            return None, None
     return msg_id, type_tag
 
 

@@ -398,11 +398,28 @@ def test_a_key_that_is_not_a_str_is_answered_with_the_messages_id_whatever_the_k
     assert _code(b"\x85" + batch[1:] + bad) == ("bad_field", "")  # a batch's own id is never answered
 
 
+def test_a_type_that_is_not_a_str_or_a_bad_key_after_it_keeps_the_messages_id():
+    # The id is read whatever stands between it and the type, and after it: only a frame that
+    # is (or might be) a batch goes without its id.
+    bad_type = b"\xa4type\x81\x01\x02"  # type: {1: 2}
+    for raw in (b"\x83\xa1v\x01" + bad_type + b"\xa2id\xa2t1", b"\x83\xa1v\x01\xa2id\xa2t1" + bad_type):
+        assert _code(raw) == ("bad_field", "t1")
+    # a type read, then a key that is not UTF-8 (or an int key before it)
+    head = b"\x86\xa1v\x01\xa4type\xa5abort\xa2id\xa2t5\xaarequest_id\xa1x\x01\x02"
+    assert _code(head + b"\xa1\xff\x03") == ("bad_field", "t5")
+    element = b"\x83\xa1v\x01" + bad_type + b"\xa2id\xa2t7"
+    batch = codec.decode([msgpack.packb({"v": 1, "type": "batch", "id": "", "messages": [0]})[:-1] + element])
+    ((error,),) = [list(codec.unbatch(batch))]
+    assert isinstance(error, codec.DecodeError) and (error.code, error.msg_id) == ("bad_field", "t7")
+
+
 def test_an_ext_in_an_unknown_field_is_skipped_unless_it_is_a_malformed_timestamp():
     # PROTOCOL.md 3: well-formed ext and timestamps are skipped with their field; a timestamp of a
     # wrong length, or with nanoseconds over 999,999,999, is not msgpack.
     head = b"\x84\xa1v\x01\xa4type\xa5stats\xa2id\xa1s\xa1x"
-    for ext in (b"\xd6\xff" + bytes(4), b"\xd7\xff" + bytes(8), b"\xc7\x0c\xff" + bytes(12), b"\xd5\x07ab"):
+    # ... an ext of a type code msgpack reserves (-128..-2) as well as an application's (0..127)
+    for ext in (b"\xd6\xff" + bytes(4), b"\xd7\xff" + bytes(8), b"\xc7\x0c\xff" + bytes(12), b"\xd5\x07ab",
+                b"\xd4\xfe\x00", b"\xc7\x02\x80ab"):
         assert type(codec.decode([head + ext])) is Stats
     for ext in (b"\xc7\x03\xffabc", b"\xd7\xff" + b"\xff" * 8):
         assert _code(head + ext) == ("bad_frame", None)
