@@ -366,7 +366,7 @@ class WorkerProcess:
         self._log = open(log_path, "ab")
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "rollfleet.actors.worker"],
+                [sys.executable, "-m", "rollfleet.actors.boot"],  # its first steps hold signals (actors.boot)
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """The engine worker process: one engine, one DEALER socket to the supervisor.
 
-Started by the Supervisor as ``python -m rollfleet.actors.worker`` with its config in
-the environment. It registers, heartbeats, serves generate/abort/control/weights
+Started by the Supervisor as ``python -m rollfleet.actors.boot`` (which holds signals until
+``main`` is ready for them, then runs it) with its config in the environment. It registers, heartbeats, serves generate/abort/control/weights
 messages, and exits on a shutdown message, on a fatal engine error (after telling the
 supervisor why), or on its own when the supervisor's process dies.
 """
@@ -52,6 +52,8 @@ from ..transport.messages import (
 )
 from ..transport.aio import LoopSocket
 from ..transport.sockets import SocketOptions, make_socket
+from .boot import HELD, continue_on_parent_death, hold_signals
+from .boot import pending as boot_pending
 from .config import REPORT_INTERVAL_S
 from .process import (
     CONFIG_ENV,
@@ -628,7 +630,7 @@ def _watch_parent(config: dict[str, Any]) -> None:
     """
     fd = config.get("death_fd")
     parent = int(config.get("parent_pid", os.getppid()))
-    _continue_on_parent_death()
+    continue_on_parent_death()  # done by actors.boot already; again for a worker started without it
 
     def read_pipe() -> None:
         try:
@@ -649,17 +651,6 @@ def _watch_parent(config: dict[str, Any]) -> None:
     threading.Thread(target=poll_ppid, name="ppid-poll", daemon=True).start()
     if os.getppid() != parent:  # gone before the kernel was asked to tell
         _on_parent_death(config, "parent pid changed")
-
-
-def _continue_on_parent_death() -> None:
-    """Have the kernel send SIGCONT when the parent dies (harmless to a running process)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGCONT), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the watch threads notice once it runs again
-        pass
 
 
 def _on_parent_death(config: dict[str, Any], why: str) -> None:
@@ -735,7 +726,11 @@ def _on_sigterm(config: dict[str, Any], name: str = "SIGTERM") -> None:
     sys.exit(0)
 
 
-def main() -> None:
+def main(pending: list[str] | None = None) -> None:
+    """Run a worker. ``pending``: the names of signals that came before this (actors.boot
+    held them), answered once the handlers are in place, as if they had come then."""
+    if pending is None:  # started without actors.boot: what its hold_signals (below) holds
+        pending = boot_pending
     config = json.loads(os.environ[CONFIG_ENV])
     level = config.get("log_level", logging.WARNING)
     if not isinstance(level, int):  # a level's name; one logging does not know must not stop the worker
@@ -749,16 +744,16 @@ def main() -> None:
     if config.get("nice"):
         os.nice(int(config["nice"]))  # before the engine starts: its processes inherit it
     # Ctrl-C reaches the terminal's whole process group: the supervisor decides what it means
-    # (a shutdown, an exit its workers clean up after, or nothing, in a script that goes on);
-    # left at its default it would end the worker in a KeyboardInterrupt, with no cleanup.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        # The default action of the last two would end the worker with no cleanup at all. One
-        # the job ignores (nohup: SIGHUP), inherited, stays ignored.
-        if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN:
+    # (a shutdown, an exit its workers clean up after, or nothing, in a script that goes on).
+    # SIGTERM, SIGHUP and SIGQUIT go to _on_sigterm (actors.boot held them until now).
+    hold_signals()
+    for sig in HELD:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
     worker = EngineWorker(config)
     try:
+        while pending:  # came while this process started: answered now, the death pipe watched
+            _on_sigterm(config, pending.pop(0))
         try:
             import uvloop
 

@@ -163,7 +163,7 @@ def serve_and_its_workers(tmp_path, *args: str, **popen):
                              "--ready-file", str(ready), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, **popen)
     assert wait_file(ready) == f"ipc://{sock}"
-    workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+    workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
     assert len(workers) == 2
     return proc, workers, sock
 
@@ -486,7 +486,7 @@ def test_serve_worker_nice_and_stall_timeout_reach_the_fleet(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with reaped(proc):
         assert wait_file(ready) == f"ipc://{sock}"
-        workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
         assert len(workers) == 2 and {w.nice() for w in workers} == {psutil.Process(proc.pid).nice() + 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()
@@ -530,7 +530,7 @@ def test_serve_inflight_call_heartbeat_and_restart_limits_reach_the_fleet(tmp_pa
         # stays dead (a restart would come within 0.5 s) and the other serves alone.
         stopped.wait(25)
         time.sleep(3)
-        alive = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.worker" in " ".join(p.cmdline())]
+        alive = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
         assert [p.pid for p in alive] == [workers[1].pid]
         out = run("stats", f"ipc://{sock}")
         assert out.returncode == 0 and "dead" in out.stdout, out.stdout

@@ -821,11 +821,11 @@ def test_ctrl_c_to_the_process_group_leaves_nothing_behind(case, tmp_path):
         if case == "sync-starting":
             assert line == ["starting"]
             deadline = time.monotonic() + 30
-            while len([p for p in psutil.Process(proc.pid).children() if "actors.worker" in " ".join(p.cmdline())]) < 2:
+            while len([p for p in psutil.Process(proc.pid).children() if "actors.boot" in " ".join(p.cmdline())]) < 2:
                 assert time.monotonic() < deadline, "the workers did not start"
                 time.sleep(0.05)
             time.sleep(1.0)  # into their engines' start
-            pids = [p.pid for p in psutil.Process(proc.pid).children() if "actors.worker" in " ".join(p.cmdline())]
+            pids = [p.pid for p in psutil.Process(proc.pid).children() if "actors.boot" in " ".join(p.cmdline())]
             (private_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("rollfleet-")]
         else:
             private_dir, pids = line[0], [int(p) for p in line[1:]]
