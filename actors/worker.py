@@ -237,17 +237,31 @@ class EngineWorker:
             msg = codec.decode(frames, self._max_bytes)
         except codec.DecodeError as exc:
             logger.warning("bad message from supervisor: %s", exc)
-            self._send(codec.error_for(exc))
+            self._undecodable(exc)
             return
         if type(msg) is Batch:
             for item in codec.unbatch(msg):
                 if isinstance(item, codec.DecodeError):
                     logger.warning("bad message in a batch from the supervisor: %s", item)
-                    self._send(codec.error_for(item))
+                    self._undecodable(item)
                 else:
                     self._handle(item, [])
             return
         self._handle(msg, [f.buffer for f in frames[1:]] if len(frames) > 1 else [])
+
+    def _undecodable(self, exc: codec.DecodeError) -> None:
+        if exc.type_tag in _WEIGHTS_TYPES:
+            # In its place among the update's messages, as the receiver would refuse it: answered
+            # weights_failed (PROTOCOL 6.8), and the update it is of is not committed.
+            self._spawn(self._weights_unreadable(exc))
+        else:
+            self._send(codec.error_for(exc))
+
+    async def _weights_unreadable(self, exc: codec.DecodeError) -> None:
+        async with self._weights_lock:  # after the update's messages that came before it
+            if self._receiver is not None and exc.msg_id:
+                self._receiver.refuse(exc.msg_id)
+        self._send(Error(id=exc.msg_id or "", code="weights_failed", message=str(exc)))
 
     def _handle(self, msg: Message, buffers: list[memoryview]) -> None:
         try:
@@ -581,6 +595,9 @@ class _Continue(collections.abc.Coroutine):  # type: ignore[type-arg]
 
 
 _HANDED_OVER = object()
+
+
+_WEIGHTS_TYPES = frozenset({WeightsBegin.TYPE.value, WeightsBucket.TYPE.value, WeightsEnd.TYPE.value})
 
 
 def _import_weights() -> None:

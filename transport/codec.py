@@ -41,12 +41,14 @@ _new = object.__new__
 
 
 class DecodeError(Exception):
-    """Input that is not a valid message. ``code`` is the wire error code to answer with."""
+    """Input that is not a valid message. ``code`` is the wire error code to answer with;
+    ``type_tag`` the message's type when it is a known one whose fields are at fault."""
 
     def __init__(self, code: str, message: str, msg_id: str | None = None):
         super().__init__(message)
         self.code = code
         self.msg_id = msg_id
+        self.type_tag: str | None = None
 
 
 class _Spec:
@@ -401,30 +403,34 @@ def _from_header(header: dict[str, Any], accept: frozenset[str] | None = None) -
     if accept is not None and type_tag not in accept:
         raise DecodeError("unknown_type", f"this socket does not take {type_tag!r} messages",
                           "" if cls is Batch else msg_id)
-    spec = _SPECS.get(cls) or _spec(cls)
-    if spec.decode_fast is not None:
-        msg = spec.decode_fast(header, msg_id)
-        if msg is not None:
-            return msg
-    # Anything else goes the field-by-field way, which names the field at fault.
-    values: dict[str, Any] = {"id": msg_id}
-    answer_id = "" if cls is Batch else msg_id  # a batch's own id is ignored, even in an error about it
-    for name, types, contents, required in spec.fields:
-        value = header.get(name, _MISSING)
-        if value is _MISSING:
-            if required:
-                raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", answer_id)
-            continue
-        # An empty container (or None) has no contents to check.
-        if type(value) not in types:
-            raise DecodeError(
-                "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", answer_id
-            )
-        if contents is not None and value and not contents(value):
-            raise DecodeError("bad_field", f"{type_tag}: field '{name}' holds an element of the wrong type",
-                              answer_id)
-        values[name] = value
-    return _build(spec, values, type_tag, msg_id)
+    try:  # (free in Python 3.11 when nothing is raised)
+        spec = _SPECS.get(cls) or _spec(cls)
+        if spec.decode_fast is not None:
+            msg = spec.decode_fast(header, msg_id)
+            if msg is not None:
+                return msg
+        # Anything else goes the field-by-field way, which names the field at fault.
+        values: dict[str, Any] = {"id": msg_id}
+        answer_id = "" if cls is Batch else msg_id  # a batch's own id is ignored, even in an error about it
+        for name, types, contents, required in spec.fields:
+            value = header.get(name, _MISSING)
+            if value is _MISSING:
+                if required:
+                    raise DecodeError("bad_field", f"{type_tag}: missing field '{name}'", answer_id)
+                continue
+            # An empty container (or None) has no contents to check.
+            if type(value) not in types:
+                raise DecodeError(
+                    "bad_field", f"{type_tag}: field '{name}' has wrong type {type(value).__name__}", answer_id
+                )
+            if contents is not None and value and not contents(value):
+                raise DecodeError("bad_field", f"{type_tag}: field '{name}' holds an element of the wrong type",
+                                  answer_id)
+            values[name] = value
+        return _build(spec, values, type_tag, msg_id)
+    except DecodeError as exc:
+        exc.type_tag = type_tag
+        raise
 
 
 def _build(spec: _Spec, values: dict[str, Any], type_tag: str, msg_id: str) -> Message:

@@ -100,6 +100,11 @@ def check_pair(item: Any) -> tuple[str, torch.Tensor]:
     if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
                          f"{type(tensor).__name__})")
+    if not name.isascii():  # the usual case, at no cost; else it must be valid UTF-8 to be sent
+        try:
+            name.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"weights: the name {name!r} is not valid UTF-8 text ({exc.reason})") from None
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and _is_dtensor(tensor):
         # Its bytes are one rank's shard, not the tensor the engine holds: copying it fails deep
         # in torch ("got mixed torch.Tensor and DTensor"), which does not say what to send.

@@ -62,8 +62,9 @@ class WeightSyncConfig:
     """CUDA device of the sender's buffers for cuda_ipc and nccl; '' means the current device."""
 
     def __post_init__(self) -> None:
-        if type(self.bucket_bytes) is not int or self.bucket_bytes < 64:
-            raise ValueError(f"bucket_bytes must be an int >= 64, got {self.bucket_bytes!r}")
+        if type(self.bucket_bytes) is not int or not 64 <= self.bucket_bytes < 1 << 63:
+            # (the wire's ints are signed 64-bit, PROTOCOL 3)
+            raise ValueError(f"bucket_bytes must be an int >= 64 and < 2**63, got {self.bucket_bytes!r}")
         if self.transport != "auto" and self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got {self.transport!r}")
         if not self.timeout_s > 0:

@@ -339,6 +339,8 @@ class WeightReceiver:
             self._staged_left = False
         if msg.transport not in TRANSPORTS:
             raise InvalidRequest(f"unknown weights transport {msg.transport!r}")
+        if not 0 <= msg.version < 1 << 63:  # (-1 is what a worker reports for partly applied weights)
+            raise InvalidRequest(f"weights_begin: version must be in [0, 2**63), got {msg.version}")
         up = _Update(uid=uid, version=msg.version, transport=msg.transport, assembler=self._assembler)
         lora = msg.options.get("lora")
         if lora is not None:
@@ -443,6 +445,8 @@ class WeightReceiver:
         if up.failed:
             # It cannot be committed: applying more of it would only mix more of it in.
             raise InvalidRequest(f"bucket {msg.index} not applied: an earlier bucket of update {up.uid} failed")
+        if msg.index != up.num_buckets:  # one update's buckets come in order, each once
+            raise ValueError(f"bucket index {msg.index} out of order: bucket {up.num_buckets} comes next")
         if not 0 <= msg.buffer < len(up.sizes):
             raise ValueError(f"buffer {msg.buffer} out of range")
         entries = msg.tensors
@@ -609,10 +613,17 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ state
 
-    def _failed(self, msg_id: str) -> None:
+    def _failed(self, msg_id: str) -> bool:
         up = self._update
         if up is not None and up.uid == _update_id(msg_id):
             up.failed = True
+            return True
+        return False
+
+    def refuse(self, msg_id: str) -> bool:
+        """A message of the open update could not even be read (a bucket whose fields are of the
+        wrong types, say): the update is not committed. Whether ``msg_id`` is of the open update."""
+        return self._failed(msg_id)
 
     def _current(self, msg_id: str) -> _Update:
         up = self._update

@@ -57,3 +57,24 @@ async def test_a_weight_sender_used_directly_refuses_a_transport_that_needs_cuda
 
     with pytest.raises(ValueError, match=match):  # before any link is looked at
         await WeightSender(WeightSyncConfig(**config)).update([("w", torch.zeros(2))], 1, [])
+
+
+@pytest.mark.parametrize("weights, call, match", [
+    ([("offset", "t"), ("x\udc80", "t")], {}, r"the name 'x\\udc80' is not valid UTF-8 text"),
+    ([("offset", "t")], {"bucket_bytes": 1 << 63}, r"bucket_bytes must be an int >= 64 and < 2\*\*63"),
+    ([("offset", "t")], {"bucket_bytes": 1 << 70}, r"bucket_bytes must be an int >= 64 and < 2\*\*63"),
+])
+async def test_what_the_wire_cannot_carry_is_refused_before_anything_is_interrupted(weights, call, match):
+    import torch
+
+    pairs = [(name, torch.tensor([3])) for name, _ in weights]
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr=None,
+                                      engine_options={"tokens_per_s": 200})) as fleet:
+        client = fleet.client()
+        running = asyncio.ensure_future(client.generate("r", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match=match):
+            await fleet.update_weights(pairs, version=1, **call)
+        result = await running
+        assert result.num_preemptions == 0 and fleet.weight_version == 0  # refused before anything was stopped
+        assert (await fleet.update_weights(pairs[:1], version=1)).ok and fleet.weight_version == 1

@@ -16,7 +16,8 @@ from rollfleet.actors.process import CONFIG_ENV
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport import codec
 from rollfleet.transport.messages import (
-    Batch, Chunk, Error, Generate, Register, Reply, Result, SamplingParams, Shutdown,
+    Batch, Chunk, Error, Generate, Register, Reply, Result, SamplingParams, Shutdown, Stats, WeightsBegin,
+    WeightsBucket, WeightsEnd,
 )
 
 
@@ -147,3 +148,59 @@ def test_new_tokens_of_running_requests_are_reported_together_once_per_interval(
     # Not much sooner than the configured interval (0.15 s); the median, as this process may
     # read one report late and the next on time.
     assert not gaps or gaps[len(gaps) // 2] > 0.075, gaps
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_weights_bucket_that_cannot_be_read_fails_its_update_which_is_not_committed(worker, pipelined):
+    # PROTOCOL 4.3 and 6.8: a worker refuses (weights_failed) to commit an update any bucket of
+    # which failed, a bucket whose fields are of the wrong types included. Pipelined, as the
+    # supervisor sends cuda_ipc updates: the begin, the bucket and the end arrive together.
+    router, ident, _ = worker
+    begin = WeightsBegin(id="U.begin", version=5, transport="zmq", bucket_bytes=1024, buffers=[{"size": 1024}])
+    entry = {"name": "offset", "dtype": "int64", "shape": [1], "offset": 0, "nbytes": 8}
+    bad = msgpack.packb({"v": 1, "type": "weights_bucket", "id": "U.0", "index": "0", "buffer": 0, "tensors": [entry]})
+    end = WeightsEnd(id="U.end", version=5, commit=True)
+    router.send_multipart([ident, codec.encode(begin)])
+    if not pipelined:
+        assert isinstance(collect(router, {"U.begin"})[0]["U.begin"], Reply)
+    router.send_multipart([ident, bad, (3).to_bytes(8, "little")])
+    router.send_multipart([ident, codec.encode(end)])
+    got, _ = collect(router, {"U.0", "U.end"} | ({"U.begin"} if pipelined else set()))
+    assert isinstance(got["U.0"], Error) and got["U.0"].code == "weights_failed" and "index" in got["U.0"].message
+    assert isinstance(got["U.end"], Error) and got["U.end"].code == "weights_failed", got["U.end"]
+    router.send_multipart([ident, codec.encode(Stats(id="st"))])
+    stats = collect(router, {"st"})[0]["st"].data
+    assert stats["weight_version"] == 0 and stats["engine"]["offset"] == 0  # nothing committed, nothing loaded
+    # The worker serves on, and takes the next update.
+    good = WeightsBucket(id="V.0", index=0, buffer=0, tensors=[entry])
+    router.send_multipart([ident, codec.encode(WeightsBegin(id="V.begin", version=6, transport="zmq",
+                                                            bucket_bytes=1024, buffers=[{"size": 1024}]))])
+    router.send_multipart([ident, codec.encode(good), (3).to_bytes(8, "little")])
+    router.send_multipart([ident, codec.encode(WeightsEnd(id="V.end", version=6, commit=True))])
+    got, _ = collect(router, {"V.begin", "V.0", "V.end"})
+    assert all(isinstance(m, Reply) for m in got.values()), got
+    router.send_multipart([ident, codec.encode(Generate(id="g", prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=3)))])
+    assert collect(router, {"g"})[0]["g"].token_ids == echo_tokens([1, 2], 3, offset=3)
+
+
+def test_a_bucket_out_of_order_or_a_begin_of_a_version_out_of_range_is_refused(worker):
+    router, ident, _ = worker
+    entry = {"name": "offset", "dtype": "int64", "shape": [1], "offset": 0, "nbytes": 8}
+    for version in (-5, -1, (1 << 64) - 1):
+        raw = msgpack.packb({"v": 1, "type": "weights_begin", "id": f"B{version % 7}.begin", "version": version,
+                             "transport": "zmq", "bucket_bytes": 1024, "buffers": [{"size": 1024}]})
+        router.send_multipart([ident, raw])
+        answer = collect(router, {f"B{version % 7}.begin"})[0][f"B{version % 7}.begin"]
+        assert isinstance(answer, Error) and answer.code == "weights_failed", answer
+        assert "version must be in [0, 2**63)" in answer.message
+    router.send_multipart([ident, codec.encode(WeightsBegin(id="U.begin", version=5, transport="zmq",
+                                                            bucket_bytes=1024, buffers=[{"size": 1024}]))])
+    assert isinstance(collect(router, {"U.begin"})[0]["U.begin"], Reply)
+    router.send_multipart([ident, codec.encode(WeightsBucket(id="U.1", index=1, buffer=0, tensors=[entry])),
+                           (3).to_bytes(8, "little")])
+    answer = collect(router, {"U.1"})[0]["U.1"]
+    assert isinstance(answer, Error) and answer.code == "weights_failed" and "out of order" in answer.message
+    router.send_multipart([ident, codec.encode(WeightsEnd(id="U.end", version=5, commit=True))])
+    assert collect(router, {"U.end"})[0]["U.end"].code == "weights_failed"
+    router.send_multipart([ident, codec.encode(Stats(id="st"))])
+    assert collect(router, {"st"})[0]["st"].data["weight_version"] == 0
