@@ -1,52 +1,67 @@
 """The runtime: Supervisor, EngineWorker, Router, InflightTable and clients.
 
-Each name is imported from its module when first used, not with the package: a worker process
-starts from ``actors.boot``, which must run before asyncio, ZeroMQ and the rest are imported.
+Each name (and each module of the package) is imported when first used, not with the package:
+a worker process starts from ``actors.boot``, which must run before asyncio, ZeroMQ and the
+rest are imported.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .client import LLMClient, RemoteClient
-    from .config import MODES, FleetConfig, RestartPolicy
-    from .group import FleetGroup
-    from .inflight import Entry, InflightTable, State
-    from .result import GenerationResult, StreamChunk
-    from .router import Router
-    from .supervisor import Supervisor
-    from .sync_client import SyncClient
+    from .client import LLMClient as LLMClient
+    from .client import RemoteClient as RemoteClient
+    from .config import MODES as MODES
+    from .config import FleetConfig as FleetConfig
+    from .config import RestartPolicy as RestartPolicy
+    from .group import FleetGroup as FleetGroup
+    from .inflight import Entry as Entry
+    from .inflight import InflightTable as InflightTable
+    from .inflight import State as State
+    from .result import GenerationResult as GenerationResult
+    from .result import StreamChunk as StreamChunk
+    from .router import Router as Router
+    from .supervisor import Supervisor as Supervisor
+    from .sync_client import SyncClient as SyncClient
 
-_MODULES = {
-    "Supervisor": "supervisor",
-    "FleetConfig": "config",
-    "FleetGroup": "group",
-    "MODES": "config",
-    "RestartPolicy": "config",
-    "LLMClient": "client",
-    "RemoteClient": "client",
-    "SyncClient": "sync_client",
-    "GenerationResult": "result",
-    "StreamChunk": "result",
-    "Router": "router",
-    "InflightTable": "inflight",
-    "Entry": "inflight",
-    "State": "inflight",
+__all__ = [
+    "Supervisor",
+    "FleetConfig",
+    "FleetGroup",
+    "MODES",
+    "RestartPolicy",
+    "LLMClient",
+    "RemoteClient",
+    "SyncClient",
+    "GenerationResult",
+    "StreamChunk",
+    "Router",
+    "InflightTable",
+    "Entry",
+    "State",
+]
+
+_HOME = {
+    "Supervisor": "supervisor", "FleetConfig": "config", "FleetGroup": "group", "MODES": "config",
+    "RestartPolicy": "config", "LLMClient": "client", "RemoteClient": "client", "SyncClient": "sync_client",
+    "GenerationResult": "result", "StreamChunk": "result", "Router": "router", "InflightTable": "inflight",
+    "Entry": "inflight", "State": "inflight",
 }
+_MODULES = frozenset({"boot", "client", "config", "group", "handle", "inflight", "metrics", "node", "process",
+                      "result", "router", "supervisor", "sync_client", "updates", "worker"})
 
-__all__ = list(_MODULES)
+if not TYPE_CHECKING:  # (to a type checker, a name missing here stays an error)
+    def __getattr__(name: str):
+        if name in _MODULES:  # rollfleet.actors.supervisor, with only rollfleet.actors imported
+            return _importlib.import_module(f".{name}", __name__)
+        home = _HOME.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(f".{home}", __name__), name)
+        globals()[name] = value  # once: the next lookup is a plain one
+        return value
 
-
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # once: the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    def __dir__():
+        return sorted(set(globals()) | set(__all__) | _MODULES)

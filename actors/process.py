@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from .boot import BLOCKED_AT_SPAWN, CONFIG_ENV
 from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
@@ -26,8 +27,6 @@ __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "t
            "sampling_seed"]
 
 logger = logging.getLogger(__name__)
-
-CONFIG_ENV = "ROLLFLEET_WORKER_CONFIG"
 
 
 def sampling_seed(base: Any, worker_id: str) -> int:
@@ -364,6 +363,10 @@ class WorkerProcess:
         child_env.update(env)
         child_env[CONFIG_ENV] = json.dumps(config)
         self._log = open(log_path, "ab")
+        # The child inherits the mask: the signals that would end it before its handlers are in
+        # place wait for them (actors.boot unblocks them).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED_AT_SPAWN) if hasattr(signal, "pthread_sigmask") \
+            else None
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "rollfleet.actors.boot"],  # its first steps hold signals (actors.boot)
@@ -375,6 +378,8 @@ class WorkerProcess:
                 close_fds=True,
             )
         finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(death_r)
         self.pid = self.popen.pid
         self._descendants: dict[int, psutil.Process] = {}

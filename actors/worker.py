@@ -1,9 +1,10 @@
 """The engine worker process: one engine, one DEALER socket to the supervisor.
 
 Started by the Supervisor as ``python -m rollfleet.actors.boot`` (which holds signals until
-``main`` is ready for them, then runs it) with its config in the environment. It registers, heartbeats, serves generate/abort/control/weights
-messages, and exits on a shutdown message, on a fatal engine error (after telling the
-supervisor why), or on its own when the supervisor's process dies.
+``main`` is ready for them, then runs it) with its config in the environment. It registers,
+heartbeats, serves generate/abort/control/weights messages, and exits on a shutdown message,
+on a fatal engine error (after telling the supervisor why), or on its own when the
+supervisor's process dies.
 """
 
 from __future__ import annotations
@@ -746,7 +747,8 @@ def _on_sigterm(config: dict[str, Any], name: str = "SIGTERM") -> None:
 def main(pending: list[str] | None = None) -> None:
     """Run a worker. ``pending``: the names of signals that came before this (actors.boot
     held them), answered once the handlers are in place, as if they had come then."""
-    if pending is None:  # started without actors.boot: what its hold_signals (below) holds
+    if pending is None:  # started without actors.boot: its first steps, here
+        hold_signals()
         pending = boot_pending
     config = json.loads(os.environ[CONFIG_ENV])
     level = config.get("log_level", logging.WARNING)
@@ -761,14 +763,14 @@ def main(pending: list[str] | None = None) -> None:
     if config.get("nice"):
         os.nice(int(config["nice"]))  # before the engine starts: its processes inherit it
     # Ctrl-C reaches the terminal's whole process group: the supervisor decides what it means
-    # (a shutdown, an exit its workers clean up after, or nothing, in a script that goes on).
-    # SIGTERM, SIGHUP and SIGQUIT go to _on_sigterm (actors.boot held them until now).
-    hold_signals()
-    for sig in HELD:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
+    # (a shutdown, an exit its workers clean up after, or nothing, in a script that goes on);
+    # actors.boot ignores it. SIGTERM, SIGHUP and SIGQUIT go to _on_sigterm from here on
+    # (actors.boot held them until now), within the try: its SystemExit ends the process below.
     worker = EngineWorker(config)
     try:
+        for sig in HELD:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, lambda signum, _frame: _on_sigterm(config, signal.Signals(signum).name))
         while pending:  # came while this process started: answered now, the death pipe watched
             _on_sigterm(config, pending.pop(0))
         try:

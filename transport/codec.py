@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import typing
 from types import MemberDescriptorType
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -202,18 +202,13 @@ def build(cls: type[Message], *values: Any) -> Message:
     return msg
 
 
-class Ext(NamedTuple):
-    """An ext value (no field of the protocol holds one): kept as read, whatever its type code,
-    so that one in a field the receiver does not know is skipped with it. msgpack's own
-    ExtType refuses the codes it reserves (-128..-2), and the frame would fail for a field
-    nobody reads. Timestamps (-1) are msgpack's, checked by it."""
-
-    code: int
-    data: bytes
-
-
-def _ext(code: int, data: bytes) -> Ext:
-    return Ext(code, data)
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """An ext value (no field of the protocol holds one), kept as read whatever its type code,
+    so that one in a field the receiver does not know is skipped with it: msgpack's ExtType
+    refuses the codes msgpack reserves (-128..-2), which would fail the frame for a field
+    nobody reads. Made without that check, it packs again as the same ext. Timestamps (-1)
+    are msgpack's own, checked by it."""
+    return tuple.__new__(msgpack.ExtType, (code, data))
 
 
 def decode_header(raw: bytes | memoryview, max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> dict[str, Any]:
@@ -351,8 +346,9 @@ def _id_and_type(raw: bytes | memoryview) -> tuple[Any, Any]:
             else:
                 unpacker.skip()
     except Exception:
-        # Read part-way. What was read stands once the type's value was reached: a frame
-        # whose type is "batch", or might be, is the only one answered without an id.
+        # Read part-way. What was read stands once the type's value was reached (a map that
+        # names its type twice, which PROTOCOL 3 forbids, may be taken for the first one):
+        # a frame whose type is, or may be, "batch" is answered without an id.
         if not typed:
             return None, None
     return msg_id, type_tag

@@ -556,7 +556,7 @@ async def test_a_dead_engine_thread_ends_every_open_stream_with_engine_dead():
         await eng.shutdown()
 
 
-async def test_a_control_call_the_engine_thread_dies_in_fails_with_engine_dead():
+async def test_a_weight_load_the_engine_thread_dies_in_fails_with_engine_dead():
     def weights():  # consumed on the engine thread, inside load_weights
         raise InjectedFault("injected fault")
         yield  # a generator

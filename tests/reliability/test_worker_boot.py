@@ -43,7 +43,7 @@ HOOK = textwrap.dedent(f"""
                 if name == "rollfleet.actors.worker":
                     marker = os.path.join(os.environ["SLOW_IMPORT_DIR"], f"importing-{{os.getpid()}}")
                     open(marker, "w").close()
-                    time.sleep({SLOW_IMPORT_S})
+                    time.sleep(float(os.environ.get("SLOW_IMPORT_S", {SLOW_IMPORT_S})))
                 return None  # found by the usual finders, now
 
         sys.meta_path.insert(0, SlowWorkerImport())
@@ -55,6 +55,7 @@ SCRIPT = textwrap.dedent("""
 
     async def main():
         config = FleetConfig(engine="echo", num_workers=2, frontend_addr=None, start_timeout_s=120,
+                             shutdown_timeout_s=120,
                              worker_env={"PYTHONPATH": sys.argv[1], "SLOW_IMPORT_DIR": sys.argv[2]})
         async with Supervisor(config):
             await asyncio.sleep(3600)
@@ -73,10 +74,13 @@ def job(tmp_path):
     tmpdir = tempfile.mkdtemp(prefix="rfb-")  # short: socket paths must fit in 107 characters
     procs = []
 
-    def start():
+    def start(slow_import_s: float = SLOW_IMPORT_S):
         pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pythonpath, str(markers)],
-                                env=dict(os.environ, TMPDIR=tmpdir), start_new_session=True)
+        with open(tmp_path / "job.err", "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-c", SCRIPT, pythonpath, str(markers)], stderr=err,
+                                    env=dict(os.environ, TMPDIR=tmpdir, SLOW_IMPORT_S=str(slow_import_s)),
+                                    start_new_session=True)
+        proc.err_path = tmp_path / "job.err"
         procs.append(proc)
         assert wait_until(lambda: len(list(markers.iterdir())) == 2, 60), "the workers did not start importing"
         workers = [int(m.name.split("-")[1]) for m in markers.iterdir()]
@@ -117,3 +121,25 @@ def test_a_worker_stopped_while_it_starts_goes_when_its_supervisor_is_killed(job
     # The kernel's SIGCONT at the supervisor's death wakes it; it then sees the supervisor gone.
     assert wait_until(lambda: not alive(workers) and not left_in(tmpdir), SLOW_IMPORT_S + 20), (
         [(p, psutil.Process(p).status()) for p in alive(workers)], left_in(tmpdir))
+
+
+def test_a_sigterm_to_a_starting_worker_alone_is_answered_once_it_has_started(job):
+    # Held through the start, then answered as any SIGTERM from someone other than the
+    # supervisor: the worker exits, cleanly (code 0, not killed by the signal); a fleet whose
+    # worker ends during its start fails to start, and says how it ended.
+    proc, tmpdir, workers = job()
+    os.kill(workers[0], signal.SIGTERM)
+    assert wait_until(lambda: not alive(workers[:1]), SLOW_IMPORT_S + 20), "the held SIGTERM was never answered"
+    assert proc.wait(30) != 0
+    assert "died during start-up (process exited with code 0)" in proc.err_path.read_text()
+    assert wait_until(lambda: not alive(workers) and not left_in(tmpdir), 20)
+
+
+def test_a_supervisor_that_shuts_down_while_its_workers_start_does_not_wait_for_their_start(job):
+    # Its SIGTERM, said on the death pipe to be its own, ends a worker that holds nothing yet at
+    # once: not after an import of a minute (the supervisor would wait for it, up to its
+    # shutdown_timeout_s of 2 minutes).
+    proc, tmpdir, workers = job(slow_import_s=60)
+    os.kill(proc.pid, signal.SIGINT)  # the script's asyncio.run ends: the Supervisor shuts down
+    assert proc.wait(30) is not None
+    assert not alive(workers) and not left_in(tmpdir)
