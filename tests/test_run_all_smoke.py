@@ -51,7 +51,8 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
     for n in (1, 2):
         # The loop is one thread: it cannot use more than one core, nor less than nothing.
         assert 0 < metrics[f"supervisor_loop_cpu_{n}w"] <= 1.05
-        assert metrics[f"workers_cpu_{n}w"] > 0 and metrics[f"bottleneck_{n}w"]
+        # (read from /proc in 10 ms ticks: a quick run's workers may show none)
+        assert metrics[f"workers_cpu_{n}w"] >= 0 and metrics[f"bottleneck_{n}w"]
     assert metrics["machine_cores"] >= 1
     for n in (1, 2):
         # Paced workers cannot finish more than their capacity (8 at once, 200 tokens/s, 16 tokens:
