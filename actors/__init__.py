@@ -49,12 +49,22 @@ _HOME = {
     "GenerationResult": "result", "StreamChunk": "result", "Router": "router", "InflightTable": "inflight",
     "Entry": "inflight", "State": "inflight",
 }
-_MODULES = frozenset({"boot", "client", "config", "group", "handle", "inflight", "metrics", "node", "process",
-                      "result", "router", "supervisor", "sync_client", "updates", "worker"})
+_modules: frozenset[str] | None = None
+
+
+def _module_names() -> frozenset[str]:
+    """The package's modules, read from its directory once (a name that is no module costs a look)."""
+    global _modules
+    if _modules is None:
+        import pkgutil
+
+        _modules = frozenset(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return _modules
+
 
 if not TYPE_CHECKING:  # (to a type checker, a name missing here stays an error)
     def __getattr__(name: str):
-        if name in _MODULES:  # rollfleet.actors.supervisor, with only rollfleet.actors imported
+        if name in _module_names():  # rollfleet.actors.supervisor, with only rollfleet.actors imported
             return _importlib.import_module(f".{name}", __name__)
         home = _HOME.get(name)
         if home is None:
@@ -64,4 +74,4 @@ if not TYPE_CHECKING:  # (to a type checker, a name missing here stays an error)
         return value
 
     def __dir__():
-        return sorted(set(globals()) | set(__all__) | _MODULES)
+        return sorted(set(globals()) | set(__all__) | _module_names())

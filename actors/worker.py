@@ -643,12 +643,12 @@ def _watch_parent(config: dict[str, Any]) -> None:
     Two signals, either suffices: EOF on the death pipe (the parent's end closes when it
     dies, however it dies), and a change of parent pid (in case a forked copy of the
     parent still holds the pipe open). The kernel also sends SIGCONT when the parent dies
-    (PR_SET_PDEATHSIG), so a stopped worker wakes up to notice. A byte on the pipe is the
-    supervisor saying that the SIGTERM it is about to send is its own.
+    (PR_SET_PDEATHSIG, asked for in actors.boot, or in main for a worker started without it),
+    so a stopped worker wakes up to notice. A byte on the pipe is the supervisor saying that
+    the SIGTERM it is about to send is its own.
     """
     fd = config.get("death_fd")
     parent = int(config.get("parent_pid", os.getppid()))
-    continue_on_parent_death()  # done by actors.boot already; again for a worker started without it
 
     def read_pipe() -> None:
         try:
@@ -749,6 +749,7 @@ def main(pending: list[str] | None = None) -> None:
     held them), answered once the handlers are in place, as if they had come then."""
     if pending is None:  # started without actors.boot: its first steps, here
         hold_signals()
+        continue_on_parent_death()
         pending = boot_pending
     config = json.loads(os.environ[CONFIG_ENV])
     level = config.get("log_level", logging.WARNING)

@@ -108,3 +108,52 @@ def test_help_of_each_settings_class_documents_every_field():
             assert len(entry) == 2, f"{cls.__name__}.{f.name} is not documented in help()"
             doc = entry[1].split("\n", 2)[1]  # the line under "name: type = default"
             assert doc.startswith(" |      ") and doc.strip(" |"), f"{cls.__name__}.{f.name}: no doc under it"
+
+
+def test_packages_import_their_modules_when_first_named():
+    """rollfleet and rollfleet.actors import nothing heavy themselves, and each of their modules
+    (found in the package's directory) is there on first use; the command line's __main__ is not
+    one of them, and a name that is nothing raises AttributeError."""
+    code = r"""
+import sys
+import rollfleet.actors.boot
+heavy = sorted({"zmq", "msgpack", "asyncio", "psutil", "torch", "rollfleet.actors.worker"} & set(sys.modules))
+assert not heavy, heavy
+import rollfleet, rollfleet.actors
+assert rollfleet.errors.RolloutError and rollfleet.actors.supervisor.Supervisor is rollfleet.actors.Supervisor
+assert rollfleet.actors.State is rollfleet.actors.inflight.State
+assert {"supervisor", "boot", "worker"} <= set(dir(rollfleet.actors)), dir(rollfleet.actors)
+for package, name in ((rollfleet, "nothing"), (rollfleet, "__main__"), (rollfleet.actors, "nothing")):
+    try:
+        getattr(package, name)
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError(f"{package.__name__}.{name} exists")
+assert "rollfleet.__main__" not in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
+
+
+def test_actors_lazy_names_match_what_type_checkers_are_told():
+    """actors/__init__ tells type checkers where each name comes from (its TYPE_CHECKING
+    imports) and looks names up in _HOME at run time: the two and __all__ must agree."""
+    import ast
+
+    import rollfleet.actors as actors
+
+    tree = ast.parse(Path(actors.__file__).read_text())
+    told = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1, ast.dump(imp)
+                for alias in imp.names:
+                    assert alias.asname == alias.name  # `X as X`: a re-export, to a type checker
+                    told[alias.name] = imp.module
+    assert told == actors._HOME
+    assert sorted(told) == sorted(actors.__all__)
+    for name, module in told.items():
+        assert getattr(importlib.import_module(f"rollfleet.actors.{module}"), name) is getattr(actors, name)
