@@ -49,17 +49,32 @@ def continue_on_parent_death() -> None:
         pass
 
 
-def _supervisor_asked() -> bool:
-    """Whether the supervisor wrote on the death pipe that the SIGTERM it sends is its own."""
+_death_fd: int | None = None
+"""The death pipe's read end (the worker's config says which), read by boot() before any held
+signal can come."""
+
+
+def _read_death_fd() -> int | None:
     try:
         import json
-        import select
 
         fd = json.loads(os.environ[CONFIG_ENV]).get("death_fd")
-        if type(fd) is not int or not select.select([fd], [], [], 0)[0]:
+    except (KeyError, ValueError, AttributeError):  # no config, or not a map: main says so
+        return None
+    return fd if type(fd) is int else None
+
+
+def _supervisor_asked() -> bool:
+    """Whether the supervisor wrote on the death pipe that the SIGTERM it sends is its own."""
+    if _death_fd is None:
+        return False
+    try:
+        import select
+
+        if not select.select([_death_fd], [], [], 0)[0]:
             return False
-        return bool(os.read(fd, 64))  # b"": the pipe's end, the supervisor gone (cleaned up after, later)
-    except (KeyError, ValueError, OSError):
+        return bool(os.read(_death_fd, 64))  # b"": the pipe's end, the supervisor gone (cleaned up after, later)
+    except (ValueError, OSError):
         return False
 
 
@@ -81,6 +96,8 @@ def hold_signals() -> None:
 
 
 def boot() -> None:
+    global _death_fd
+    _death_fd = _read_death_fd()
     hold_signals()
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED_AT_SPAWN)  # what came meanwhile arrives now
