@@ -17,10 +17,9 @@ __all__ = ["main"]
 def _run(coro: Any) -> Any:
     try:
         import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
+    except ImportError:  # (only the import: an ImportError of the command itself is the command's)
         return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -104,6 +103,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .actors.client import RemoteClient
+
+    if args.keys_dir is not None and not os.path.isdir(args.keys_dir):  # a bad option, as serve says it
+        args.command_parser.error(f"--keys-dir {args.keys_dir}: not a directory (`rollfleet keys DIR` makes one)")
 
     async def go() -> dict[str, Any]:
         keys = None

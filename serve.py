@@ -252,6 +252,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--advertise-host: empty host name")
     from .actors.config import HEARTBEAT_INTERVAL_S
 
+    if args.stall_timeout is not None and not args.stall_timeout > 2 * args.report_interval:
+        raise ValueError(f"--stall-timeout {args.stall_timeout:g}: must be more than twice --report-interval "
+                         f"({args.report_interval:g} s): tokens that are not streamed come once per report")
     if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:
         raise ValueError(f"--heartbeat-timeout {args.heartbeat_timeout:g}: must be more than {HEARTBEAT_INTERVAL_S:g} s, "
                          "the interval of the workers' heartbeats")

@@ -25,6 +25,37 @@ DEVICE_ENV_VARS = {
 }
 
 
+def _int_field(owner: str, name: str, value: Any, low: int, *, none: bool = False) -> None:
+    """An int (not a bool) >= low, or None where ``none``: else ValueError naming the field."""
+    if (value is None and none) or (type(value) is int and value >= low):
+        return
+    raise ValueError(f"{owner}.{name} must be an int >= {low}{' or None' if none else ''}, got {value!r}")
+
+
+def _real_field(owner: str, name: str, value: Any, *, none: bool = False) -> None:
+    """A real number (an int or a float, not a bool), or None where ``none``; its range is the
+    caller's to check."""
+    if (value is None and none) or type(value) in (int, float):
+        return
+    raise ValueError(f"{owner}.{name} must be a number{' or None' if none else ''}, got {value!r}")
+
+
+def _check_address(name: str, addr: Any) -> None:
+    """What a worker or a client can reach: tcp://HOST:PORT (PORT 0..65535, 0 or * for any free
+    one) or ipc://PATH."""
+    if not isinstance(addr, str):
+        raise ValueError(f"FleetConfig.{name} must be a str (tcp://HOST:PORT or ipc://PATH) or None, got {addr!r}")
+    scheme, sep, rest = addr.partition("://")
+    if sep and scheme == "ipc" and rest:
+        return
+    if sep and scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host and (port == "*" or port.isdigit() and int(port) <= 65535):
+            return
+    raise ValueError(f"FleetConfig.{name} must be tcp://HOST:PORT with a port in 0..65535 (0: a free one) or "
+                     f"ipc://PATH, got {addr!r}")
+
+
 @document_fields
 @dataclass(kw_only=True, slots=True)
 class RestartPolicy:
@@ -38,10 +69,12 @@ class RestartPolicy:
     """Upper bound of the delay (it wins over a larger backoff_s)."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("window_s must be > 0 and backoffs >= 0")
+        _int_field("RestartPolicy", "max_restarts", self.max_restarts, 0)
+        for name in ("window_s", "backoff_s", "max_backoff_s"):
+            _real_field("RestartPolicy", name, getattr(self, name))
+        if not (self.window_s > 0 and self.backoff_s >= 0 and self.max_backoff_s >= 0):  # NaN refused
+            raise ValueError(f"RestartPolicy: window_s must be > 0 and backoffs >= 0, got window_s={self.window_s}, "
+                             f"backoff_s={self.backoff_s}, max_backoff_s={self.max_backoff_s}")
 
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -167,6 +200,7 @@ class FleetConfig:
     Supervisor.metrics_address); needs prometheus-client. None: off."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.engine not in ENGINE_NAMES:
@@ -174,8 +208,6 @@ class FleetConfig:
         check_engine_options(self.engine, self.engine_options)
         if self.engine in ("vllm", "sglang") and not (self.engine_options or {}).get("model"):
             raise ValueError(f"the {self.engine} engine needs engine_options['model'] (a model directory or name)")
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.devices is not None and len(self.devices) != self.num_workers:
             raise ValueError(f"devices has {len(self.devices)} entries for {self.num_workers} workers")
         for name in ("start_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "call_timeout_s",
@@ -204,8 +236,10 @@ class FleetConfig:
             raise ValueError(f"keep_dead_remote_slots must be an int >= 0, got {self.keep_dead_remote_slots!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
-        for addr in (self.worker_addr, self.frontend_addr):
+        for name in ("worker_addr", "frontend_addr"):
+            addr = getattr(self, name)
             if addr:
+                _check_address(name, addr)
                 check_bind(addr, self.curve_keys_dir)  # a non-loopback address needs CurveZMQ keys
         from ..weights.config import WeightSyncConfig
 
@@ -213,6 +247,40 @@ class FleetConfig:
             WeightSyncConfig(**self.weights)
         except (TypeError, ValueError) as exc:  # TypeError: a key that is not one of its fields
             raise ValueError(f"weights (the fields of weights.WeightSyncConfig): {exc}") from None
+
+    def _check_types(self) -> None:
+        """Each field's type, before any check of its value: a wrong one is a ValueError that
+        names the field, not a TypeError of a comparison (or, later, of a worker's start)."""
+        for name in ("engine", "mode"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"FleetConfig.{name} must be a str, got {getattr(self, name)!r}")
+        for name, low in (("num_workers", 1), ("max_resume_attempts", 0), ("max_inflight_per_client", 1),
+                          ("max_message_bytes", 1024), ("max_client_message_bytes", 1024), ("client_send_hwm", 0),
+                          ("max_sticky", 0), ("keep_dead_remote_slots", 0)):
+            _int_field("FleetConfig", name, getattr(self, name), low)
+        _int_field("FleetConfig", "metrics_port", self.metrics_port, 0, none=True)
+        for name in ("start_timeout_s", "heartbeat_interval_s", "report_interval_s", "heartbeat_timeout_s",
+                     "shutdown_timeout_s", "call_timeout_s", "stall_timeout_s"):
+            _real_field("FleetConfig", name, getattr(self, name), none=name == "stall_timeout_s")
+        for name in ("resume", "deterministic_routing", "keep_last_weights", "accept_remote_workers"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"FleetConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("curve_keys_dir", "private_dir_root"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"FleetConfig.{name} must be a directory's path (a str) or None, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("engine_options", "weights"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"FleetConfig.{name} must be a dict, got {getattr(self, name)!r}")
+        env = self.worker_env
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError(f"FleetConfig.worker_env must be a dict of str to str, got {env!r}")
+        if self.devices is not None and (isinstance(self.devices, str) or not isinstance(self.devices, (list, tuple))
+                                         or not all(isinstance(d, str) for d in self.devices)):
+            raise ValueError(f"FleetConfig.devices must be a list of str (one per worker, e.g. ['cuda:0']) or None, "
+                             f"got {self.devices!r}")
+        if self.restart is not None and not isinstance(self.restart, RestartPolicy):
+            raise ValueError(f"FleetConfig.restart must be a RestartPolicy or None, got {self.restart!r}")
 
     def weight_transport(self) -> str:
         """The transport weight updates use unless a call overrides it."""

@@ -546,8 +546,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Checked before the store is reached, which may take --timeout to fail.
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
-    if args.timeout <= 0 or args.supervisor_timeout <= 0:
-        parser.error("--timeout and --supervisor-timeout must be > 0")
+    for flag, value in (("--timeout", args.timeout), ("--supervisor-timeout", args.supervisor_timeout)):
+        if not 0 < value < float("inf"):  # NaN included
+            parser.error(f"{flag} must be a finite number > 0, got {value}")
+    store = split_host_port(args.store)
+    if store is None or store[1] == 0:
+        parser.error(f"--store must be HOST:PORT with a port in 1..65535, got {args.store!r}")
+    if args.name is not None and (not args.name.strip() or "/" in args.name):
+        parser.error(f"--name must be non-empty and without '/' (leave it out for the host name), got {args.name!r}")
     try:
         options = json.loads(args.engine_options) if args.engine_options else None
     except json.JSONDecodeError as exc:
@@ -560,6 +566,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] or None
+    if devices is not None and len(devices) != args.workers:
+        parser.error(f"--devices has {len(devices)} entries for {args.workers} workers (--workers)")
 
     def stop_waiting(*_: Any) -> None:
         raise _Stopped

@@ -776,10 +776,10 @@ def main(pending: list[str] | None = None) -> None:
             _on_sigterm(config, pending.pop(0))
         try:
             import uvloop
-
-            code = uvloop.run(worker.run())
-        except ImportError:
+        except ImportError:  # (only the import: one in the worker's run is its own, not run twice)
             code = asyncio.run(worker.run())
+        else:
+            code = uvloop.run(worker.run())
     except SystemExit as exc:  # _on_sigterm's, once run() released what it holds
         code = exc.code
     _exit(code, config)

@@ -52,6 +52,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("serve", "--engine", "echo", "--workers", "0"),
     ("serve", "--engine", "echo", "--report-interval", "0"),
     ("serve", "--engine", "echo", "--report-interval", "inf"),
+    ("serve", "--engine", "echo", "--stall-timeout", "0.5"),  # named the config's fields, not the flags
     ("serve", "--engine", "echo", "--client-send-hwm", "-1"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", "100"),
     ("serve", "--engine", "echo", "--max-client-message-bytes", str((1 << 30) + 1)),
@@ -110,10 +111,14 @@ def test_keys_where_none_can_be_written_is_one_line_exit_1(tmp_path):
         assert out.stderr.count("\n") == 1 and "--force" not in out.stderr, out.stderr
 
 
-def test_stats_with_missing_keys_is_one_line_exit_1():
+def test_stats_with_missing_keys_is_one_line(tmp_path):
+    # No such directory: a bad option, exit 2 as serve's --keys-dir; a directory without keys: exit 1.
     out = run("stats", "tcp://127.0.0.1:1", "--timeout", "0.2", "--keys-dir", "/nonexistent")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert "--keys-dir /nonexistent: not a directory (`rollfleet keys DIR` makes one)" in out.stderr
+    out = run("stats", "tcp://127.0.0.1:1", "--timeout", "0.2", "--keys-dir", str(tmp_path))
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
-    assert "keys directory /nonexistent is not a directory: `rollfleet keys DIR` makes one" in out.stderr
+    assert "rollfleet keys DIR" in out.stderr, out.stderr
 
 
 @contextlib.contextmanager
@@ -237,6 +242,12 @@ def test_the_help_of_each_command_says_what_it_does(command, says):
     ("--store", "127.0.0.1:1", "--log-level", "nope"),
     ("--store", "127.0.0.1:1", "--engine", "torch", "--engine-options", '{"max_batchsize": 4}'),
     ("--store", "127.0.0.1:1", "--engine", "tensorrt"),
+    ("--store", "127.0.0.1:1", "--timeout", "nan"),  # was taken: a wait without end
+    ("--store", "127.0.0.1:1", "--supervisor-timeout", "inf"),
+    ("--store", "127.0.0.1:1", "--devices", "cpu,cpu"),  # was refused only once a store answered
+    ("--store", "127.0.0.1:0"),
+    ("--store", "127.0.0.1:1", "--name", ""),
+    ("--store", "127.0.0.1:1", "--name", "a/b"),
 ])
 @pytest.mark.parametrize("command", ["python -m rollfleet.actors.node", "rollfleet node"])
 def test_node_agent_checks_its_options_before_reaching_the_store(args, command):
@@ -490,9 +501,9 @@ def test_serve_worker_nice_and_stall_timeout_reach_the_fleet(tmp_path):
         assert len(workers) == 2 and {w.nice() for w in workers} == {psutil.Process(proc.pid).nice() + 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()
-    # Within two reports (0.5 s each): refused as FleetConfig refuses it, with one line.
+    # Within two reports (0.5 s each): refused as FleetConfig refuses it, with one line naming the flags.
     out = run("serve", "--engine", "echo", "--stall-timeout", "0.5")
-    assert out.returncode == 2 and "twice report_interval_s" in out.stderr and len(out.stderr.splitlines()) == 1
+    assert out.returncode == 2 and "twice --report-interval" in out.stderr and len(out.stderr.splitlines()) == 1
     assert run("serve", "--worker-nice", "20").returncode == 2
 
 
@@ -540,3 +551,20 @@ def test_serve_inflight_call_heartbeat_and_restart_limits_reach_the_fleet(tmp_pa
                  ("--call-timeout", "0")):
         out = run("serve", "--engine", "echo", *args)
         assert out.returncode == 2 and args[0] in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_an_import_error_inside_a_command_is_raised_once_not_run_again():
+    # The loop's runner is chosen by importing uvloop; an ImportError of the command itself used to
+    # be taken for that one, and the spent coroutine run again ("cannot reuse already awaited
+    # coroutine", raised over the command's own error).
+    from rollfleet import cli
+
+    runs = []
+
+    async def command():
+        runs.append(1)
+        import rollfleet_no_such_module  # noqa: F401
+
+    with pytest.raises(ImportError, match="rollfleet_no_such_module"):
+        cli._run(command())
+    assert runs == [1]
