@@ -261,8 +261,9 @@ def _unpack_apart(raw: bytes | memoryview, exc: Exception) -> dict[str, Any]:
     """The map of a frame that failed to unpack whole (``exc``), when what failed lies inside
     the messages of a batch: each message is cut out of the frame without being built and
     unpacked alone, so that one bad message is answered on its own. Raises the frame's
-    DecodeError when the fault is elsewhere, or when a message cannot be cut out (nested
-    deeper than msgpack's limit on its own, or cut short): its end is then unknown.
+    DecodeError when the fault is elsewhere, and ``bad_frame`` when a message cannot be cut out
+    (nested deeper than msgpack's limit on its own, or cut short): its end is then unknown, and
+    so are the messages after it, whatever fault came before.
 
     Only bad frames come here; a valid one never pays for this."""
     if _id_and_type(raw)[1] != "batch":
@@ -281,15 +282,19 @@ def _unpack_apart(raw: bytes | memoryview, exc: Exception) -> dict[str, Any]:
                 if count > MAX_BATCH_APART:
                     raise _failure(raw, exc) from None
                 unpacker.read_array_header()
-                header[key] = [_cut_out(view, unpacker) for _ in range(count)]
+                try:
+                    header[key] = [_cut_out(view, unpacker) for _ in range(count)]
+                except Exception:  # a message's end cannot be found, nor those after it (PROTOCOL 4.3)
+                    raise DecodeError("bad_frame", "a message of the batch cannot be told apart from the next "
+                                      "(nested too deep, or cut short by the end of the frame)") from None
             else:
                 header[key] = unpacker.unpack()
     except DecodeError:
         raise
     except Exception:
         raise _failure(raw, exc) from None
-    if unpacker.tell() != len(view):
-        raise _failure(raw, exc) from None  # trailing bytes
+    if unpacker.tell() != len(view):  # bytes after the batch's map: the batch's own fault (PROTOCOL 4.3)
+        raise DecodeError("bad_frame", "not a msgpack value: bytes after the batch's map")
     return header
 
 

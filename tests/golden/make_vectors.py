@@ -75,7 +75,7 @@ VECTORS: list[Message] = [
         weight_version_starts=[0, 2],
         num_preemptions=1,
         worker="w1-0",
-        timings={"total": 0.5, "queue": 0.125, "first_token": 0.25},
+        timings={"total": 0.5, "queue": 0.125, "first_token": 0.25, "worker": 0.3125},
     ),
     # The answer to stats-1, shaped as PROTOCOL.md 6.5 lists it (one worker, its engine stats cut short).
     Reply(
@@ -147,8 +147,8 @@ VECTORS: list[Message] = [
     Batch(id="", messages=[
         {"v": 1, "type": "chunk", "id": "w0-0:5", "token_ids": [17], "logprobs": None, "weight_version": 3},
         {"v": 1, "type": "result", "id": "w0-0:6", "token_ids": [4, 31999], "finish_reason": "stop",
-         "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0", "timings": {},
-         "weight_version_starts": []},
+         "logprobs": None, "weight_versions": [3], "num_preemptions": 0, "worker": "w0-0",
+         "timings": {"worker": 0.0625, "first_token": 0.03125}, "weight_version_starts": []},
     ]),
     # A client that reads batches, before its first request.
     Hello(id="hello-1", batch=True),

@@ -291,6 +291,14 @@ def test_a_batch_whose_messages_cannot_be_told_apart_is_refused_whole():
     assert _code(_batch(good, _nested(1024), good)) == ("bad_frame", None)  # too deep even alone: its end is unknown
     assert _code(_batch(good, good)[:-3]) == ("bad_frame", None)  # cut short
     assert _code(_batch(good, NOT_UTF8) + b"\x01") == ("bad_frame", None)  # bytes after the batch's map
+    # ... whatever fault came before in the frame: a message with a key that is not a str (answered on
+    # its own in a batch that can be taken apart) does not make a batch that cannot be bad_field
+    int_key = msgpack.packb({"v": 1, "type": "stats", "id": "k", 7: 1})
+    assert _code(_batch(good, int_key, good)[:-3]) == ("bad_frame", None)  # cut short after it
+    assert _code(_batch(good, int_key) + b"\xa5ab") == ("bad_frame", None)  # bytes after the map, cut short
+    assert _code(_batch(int_key, _nested(1024))) == ("bad_frame", None)
+    three = _batch(good, int_key, good)
+    assert _code(three[:three.rindex(good)]) == ("bad_frame", None)  # an array of 3 holding 2
     # more messages than are taken apart: answered whole, under the empty id
     many = [good] * codec.MAX_BATCH_APART
     assert _code(_batch(*many, msgpack.packb({"v": 1, "type": "stats", "id": "m", 7: 1}))) == ("bad_field", "")
@@ -423,3 +431,14 @@ def test_an_ext_in_an_unknown_field_is_skipped_unless_it_is_a_malformed_timestam
         assert type(codec.decode([head + ext])) is Stats
     for ext in (b"\xc7\x03\xffabc", b"\xd7\xff" + b"\xff" * 8):
         assert _code(head + ext) == ("bad_frame", None)
+
+
+def test_of_several_faults_in_a_frame_the_first_met_is_answered_a_key_once_its_value_is_read():
+    # PROTOCOL.md 6.6: a frame of its own is read from its start; a map key is checked after its value.
+    head = b"\x85" + b"".join(map(msgpack.packb, ("v", 1, "type", "stats", "id", "o3")))  # a map of 5, 3 given
+    int_key = b"\x05\x01"  # 5: 1
+    assert _code(head + int_key + b"\xa1x" + b"\xa5ab") == ("bad_field", "o3")  # then a str cut short
+    assert _code(head + int_key + b"\xa1x" + b"\xa2\xff\xfe") == ("bad_field", "o3")  # then a str not UTF-8
+    assert _code(head + int_key + b"\xa1x" + b"\x91" * 1100 + b"\x01") == ("bad_field", "o3")  # then too deep
+    assert _code(head + b"\x05\xa2\xff\xfe" + b"\xa1x\x01") == ("bad_frame", None)  # the key's own value not UTF-8
+    assert _code(head + b"\xa1x\xa2\xff\xfe" + int_key) == ("bad_frame", None)  # not UTF-8 before the key
