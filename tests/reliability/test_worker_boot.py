@@ -50,8 +50,12 @@ HOOK = textwrap.dedent(f"""
 """)
 
 SCRIPT = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, signal, sys
     from rollfleet.actors import FleetConfig, Supervisor
+
+    # A job started in the background by a shell without job control (a CI runner's, nohup ... &)
+    # inherits SIGINT ignored, and asyncio.run then leaves it so: Ctrl-C is what this script stands for.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def main():
         config = FleetConfig(engine="echo", num_workers=2, frontend_addr=None, start_timeout_s=120,
