@@ -921,8 +921,9 @@ class Supervisor:
         self._tasks.append(task)
 
     async def _hold_then_ready(self, handle: WorkerHandle) -> None:
-        # Until it is ready, fleet-wide control ops pass it by: whatever changed while it was
-        # being held (a wake_up, a resume) is applied to it too before it serves.
+        # Until it is ready, fleet-wide control ops and weight updates pass it by: whatever
+        # changed while it was being held (a wake_up, a resume, an update) is applied to it too
+        # before it serves. Ready once nothing is left to apply, with no wait in between.
         slept, paused = 0, False
         while handle.alive:
             want = self._sleep_level, self._engines_paused
@@ -932,7 +933,17 @@ class Supervisor:
             if want[1] != paused:
                 ops.append(("pause", {}) if want[1] else ("resume", {}))
             if not ops:
-                break
+                if not self.weights.needs_catch_up(handle):
+                    break
+                try:
+                    await self.weights.catch_up(handle)  # an update committed while it was held
+                except Exception as exc:
+                    logger.error("could not bring worker %s to weight version %d: %s", handle.worker_id,
+                                 self.weight_version, exc)
+                    handle.last_error = f"catch-up failed: {exc}"
+                    handle.proc.kill()
+                    return
+                continue
             for op, args in ops:
                 try:
                     await handle.call(Control(id=handle.next_call_id(), op=op, args=args), self.config.call_timeout_s)
@@ -1296,12 +1307,19 @@ class Supervisor:
             check_control_args(op, args or {})
         except ValueError as exc:
             raise InvalidRequest(str(exc), code="bad_field") from None
-        # before the call: tokens stop as soon as an engine obeys (put back if no engine took it)
+        # Before the call (put back if no engine took it): tokens stop as soon as an engine obeys a
+        # sleep or a pause; and a worker restarted meanwhile, being put to sleep or paused before
+        # it serves (_hold_then_ready), is not among those this call reaches, so it must see a
+        # wake_up or a resume now, not once every other worker has answered.
         held = self._sleep_level, self._engines_paused
         if op == "sleep":
             self._sleep_level = int((args or {}).get("level", 1))
         elif op == "pause":
             self._engines_paused = True
+        elif op == "wake_up":
+            self._sleep_level = 0
+        elif op == "resume":
+            self._engines_paused = False
         handles = self.ready_workers()
         results = await asyncio.gather(
             *(h.call(Control(id=h.next_call_id(), op=op, args=dict(args or {})), self.config.call_timeout_s)
@@ -1340,10 +1358,6 @@ class Supervisor:
                             f"again, or {OPPOSITE_OPS[op]}",)
                 logger.warning("control %s failed on %d of %d workers (%s): %s in force all the same", op,
                                len(failed), len(handles), ", ".join(f.worker_id for f, _ in failed), op)
-        if op == "wake_up":
-            self._sleep_level = 0
-        elif op == "resume":
-            self._engines_paused = False
         if failed:
             raise failed[0][1]
         if lost is not None:

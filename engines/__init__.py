@@ -17,8 +17,8 @@ ENGINE_NAMES = ("echo", "torch", "vllm", "sglang")
 _COMMON_OPTIONS = frozenset({"device", "private_dir", "seed", "sampling_seed"})
 ENGINE_OPTIONS: dict[str, frozenset[str]] = {
     "echo": _COMMON_OPTIONS | {"vocab_size", "tokens_per_s", "eos_token_id", "max_running", "step_tokens",
-                               "max_model_len", "start_delay_s", "stall_after", "fail_start", "fail_generate_after",
-                               "fail_fatal"},
+                               "max_model_len", "start_delay_s", "control_delay_s", "stall_after", "fail_start",
+                               "fail_generate_after", "fail_fatal"},
     "torch": _COMMON_OPTIONS | {"model", "dtype", "max_batch_size", "num_threads", "attn_implementation"},
     "vllm": _COMMON_OPTIONS | {"model", "dtype", "max_model_len", "enforce_eager", "gpu_memory_utilization",
                                "tensor_parallel_size", "enable_lora", "max_lora_rank", "profile_dir", "extra"},

@@ -27,6 +27,8 @@ already that long (a resumed request) is spared, so a request resumed elsewhere 
 
 - ``fail_start``: start() raises.
 - ``start_delay_s``: start() takes this long (a window to kill a worker during start-up).
+- ``control_delay_s``: sleep, wake_up, pause and resume each take this long before they take
+  effect (as a real engine's sleep takes seconds: a window in which other things happen).
 - ``fail_generate_after``: N -- generate raises RuntimeError when the sequence reaches N
   tokens; the request fails with engine_error and the worker goes on.
 - ``fail_fatal``: with the option above, raise EngineDead (engines.base) instead: the
@@ -85,6 +87,7 @@ class EchoEngine(Engine):
         self.max_running = int(self.options.get("max_running") or 0)
         self.step_tokens = max(1, int(self.options.get("step_tokens") or 1))
         self.max_model_len = int(self.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+        self.control_delay_s = float(self.options.get("control_delay_s") or 0.0)
         self._free = self.max_running  # slots left when max_running is set
         self._waiting: dict[str, asyncio.Future[bool]] = {}  # arrival order; True: slot granted
         self.offset = 0
@@ -225,10 +228,16 @@ class EchoEngine(Engine):
             self._aborted.add(request_id)
             self._poke()
 
+    async def _control_delay(self) -> None:
+        if self.control_delay_s:
+            await asyncio.sleep(self.control_delay_s)
+
     async def pause(self) -> None:
+        await self._control_delay()
         self._resumed.clear()
 
     async def resume(self) -> None:
+        await self._control_delay()
         self._resumed.set()
         self._poke()
 
@@ -237,9 +246,11 @@ class EchoEngine(Engine):
         self._wake = asyncio.Event()
 
     async def sleep(self, level: int = 1) -> None:
+        await self._control_delay()
         self._sleeping = True
 
     async def wake_up(self) -> None:
+        await self._control_delay()
         self._sleeping = False
 
     async def clear_kv_cache(self) -> None:

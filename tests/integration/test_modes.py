@@ -239,3 +239,75 @@ async def test_a_control_op_a_stopped_worker_times_out_on_stays_in_force_so_its_
         results = await asyncio.wait_for(asyncio.gather(
             *(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=3)) for i in range(4))), 10)
         assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(4)]
+
+
+@pytest.mark.parametrize("hold, undo", [("pause", "resume"), ("sleep", "wake_up")])
+async def test_a_worker_restarted_during_a_resume_or_wake_up_is_not_left_paused_or_asleep(hold, undo):
+    # The restarted worker is being paused (or put to sleep) before it serves when the opposite
+    # op begins, which reaches only the workers ready by then: it must come up as that op leaves
+    # the others, not as they were. Every control op takes 1.5 s in the engines, so the two overlap.
+    import os
+    import signal
+
+    from rollfleet.actors import RestartPolicy
+    from rollfleet.actors.handle import WorkerState
+
+    from ..helpers import wait_for
+
+    config = FleetConfig(engine="echo", num_workers=2, frontend_addr=None, restart=RestartPolicy(backoff_s=0.0),
+                         engine_options={"tokens_per_s": 1000, "control_delay_s": 1.5})
+    async with Supervisor(config) as sup:
+        client = sup.client()
+        await client.control(hold)
+        victim = sup.slots[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        # registered and being held: the hold's call is under way (1.5 s) when the opposite op starts
+        assert await wait_for(lambda: sup.slots[1] is not victim and sup.slots[1].state is WorkerState.STARTING
+                              and sup.slots[1].engine, 30)
+        assert set(await client.control(undo)) == {sup.slots[0].worker_id}  # the one ready when it began
+        assert await wait_for(lambda: sup.slots[1].state is WorkerState.READY, 15)
+        stats = await sup.stats()
+        key = "paused" if hold == "pause" else "sleeping"
+        assert [w["engine_stats"][key] for w in stats["workers"]] == [False, False]
+        assert (stats["engines_paused"], stats["sleep_level"]) == (False, 0)
+        # nothing waits on a paused engine: every request ends, on either worker
+        results = await asyncio.wait_for(asyncio.gather(
+            *(client.generate(f"r{i}", [i + 1], SamplingParams(max_tokens=3)) for i in range(8))), 20)
+        assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(8)]
+
+
+async def test_a_weight_update_while_a_restarted_worker_is_being_paused_reaches_it_before_it_serves():
+    # Neither ready nor gone while it is being paused, it is not among the update's workers; it
+    # must be brought to the update's version before it serves, not come up with the one before.
+    import os
+    import signal
+
+    from rollfleet.actors import RestartPolicy
+    from rollfleet.actors.handle import WorkerState
+    from rollfleet.engines.echo import echo_tokens
+
+    from ..helpers import wait_for
+
+    config = FleetConfig(engine="echo", num_workers=2, frontend_addr=None, restart=RestartPolicy(backoff_s=0.0),
+                         deterministic_routing=True, engine_options={"tokens_per_s": 1000, "control_delay_s": 1.5})
+    async with Supervisor(config) as sup:
+        client = sup.client()
+        await client.update_weights([("offset", torch.tensor([5]))], version=1)
+        await client.control("pause")
+        victim = sup.slots[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        # caught up to version 1, and now being paused (1.5 s)
+        assert await wait_for(lambda: sup.slots[1] is not victim and sup.slots[1].state is WorkerState.STARTING
+                              and sup.slots[1].weight_version == 1, 30)
+        held = sup.slots[1]
+        await client.update_weights([("offset", torch.tensor([9]))], version=2)
+        assert await wait_for(lambda: held.state is WorkerState.READY, 15)
+        assert held.weight_version == 2
+        await client.control("resume")
+        stats = await sup.stats()
+        assert [(w["weight_version"], w["engine_stats"]["offset"]) for w in stats["workers"]] == [(2, 9), (2, 9)]
+        results = await asyncio.gather(*(client.generate(f"r{i}", [7], SamplingParams(max_tokens=4),
+                                                         session_id=f"s{i}") for i in range(8)))
+        assert {r.worker for r in results} == {w["worker_id"] for w in stats["workers"]}  # both served
+        assert {(tuple(r.token_ids), tuple(r.weight_versions)) for r in results} == {
+            (tuple(echo_tokens([7], 4, offset=9)), (2,))}
