@@ -218,10 +218,6 @@ class FleetConfig:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if not self.shutdown_timeout_s >= 0:  # 0: terminate at once; NaN refused
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.client_send_hwm < 0 or self.max_client_message_bytes < 1024:
-            raise ValueError("client_send_hwm must be >= 0 and max_client_message_bytes >= 1024")
-        if self.max_resume_attempts < 0 or self.max_inflight_per_client < 1:
-            raise ValueError("max_resume_attempts must be >= 0 and max_inflight_per_client >= 1")
         if type(self.worker_nice) is not int or not 0 <= self.worker_nice <= 19:
             raise ValueError(f"worker_nice must be an int in 0..19, got {self.worker_nice!r}")
         if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
@@ -232,8 +228,6 @@ class FleetConfig:
                              f"({self.report_interval_s}): tokens that are not streamed come once per report")
         if self.accept_remote_workers and not (self.curve_keys_dir and (self.worker_addr or "").startswith("tcp://")):
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
-        if type(self.keep_dead_remote_slots) is not int or self.keep_dead_remote_slots < 0:
-            raise ValueError(f"keep_dead_remote_slots must be an int >= 0, got {self.keep_dead_remote_slots!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
         for name in ("worker_addr", "frontend_addr"):

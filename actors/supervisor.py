@@ -935,13 +935,7 @@ class Supervisor:
             if not ops:
                 if not self.weights.needs_catch_up(handle):
                     break
-                try:
-                    await self.weights.catch_up(handle)  # an update committed while it was held
-                except Exception as exc:
-                    logger.error("could not bring worker %s to weight version %d: %s", handle.worker_id,
-                                 self.weight_version, exc)
-                    handle.last_error = f"catch-up failed: {exc}"
-                    handle.proc.kill()
+                if not await self._caught_up(handle):  # an update committed while it was held
                     return
                 continue
             for op, args in ops:
@@ -954,14 +948,19 @@ class Supervisor:
         self._mark_ready(handle)
 
     async def _catch_up(self, handle: WorkerHandle) -> None:
+        if await self._caught_up(handle):
+            self._ready_as_the_fleet(handle)
+
+    async def _caught_up(self, handle: WorkerHandle) -> bool:
+        """Bring a worker to the fleet's weight version; False (the worker killed) when that fails."""
         try:
             await self.weights.catch_up(handle)
         except Exception as exc:
             logger.error("could not bring worker %s to weight version %d: %s", handle.worker_id, self.weight_version, exc)
             handle.last_error = f"catch-up failed: {exc}"
             handle.proc.kill()
-            return
-        self._ready_as_the_fleet(handle)
+            return False
+        return True
 
     def _mark_ready(self, handle: WorkerHandle) -> None:
         if not handle.alive:
