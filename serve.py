@@ -153,7 +153,7 @@ def _seconds(text: str) -> float:
 
 def _host_port(flag: str, text: str) -> tuple[str, int]:
     """HOST:PORT (an IPv6 host in brackets) with a port in 0..65535; raises ValueError naming ``flag``."""
-    from .actors.node import split_host_port
+    from .transport.sockets import split_host_port
 
     parsed = split_host_port(text)
     if parsed is None:
@@ -167,7 +167,7 @@ def worker_bind(args: argparse.Namespace) -> str | None:
         return None
     if args.worker_bind is not None:
         return args.worker_bind.strip()
-    from .actors.node import join_host_port
+    from .transport.sockets import join_host_port
 
     host, _ = _host_port("--store-bind", args.store_bind)
     return f"tcp://{join_host_port(host, 0)}"
@@ -346,7 +346,8 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.store_bind is not None:
-            from .actors.node import AGENT_CHECK_S, join_host_port, publish_router, reachable_address
+            from .actors.node import AGENT_CHECK_S, publish_router, reachable_address
+            from .transport.sockets import join_host_port
 
             try:
                 store = open_store(args.store_bind)

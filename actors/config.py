@@ -8,6 +8,7 @@ from typing import Any
 from ..engines import ENGINE_NAMES, check_engine_options
 from ..fielddoc import document_fields
 from ..transport.auth import check_bind
+from ..transport.sockets import split_host_port
 
 __all__ = ["FleetConfig", "RestartPolicy", "DEVICE_ENV_VARS", "MODES"]
 
@@ -48,10 +49,8 @@ def _check_address(name: str, addr: Any) -> None:
     scheme, sep, rest = addr.partition("://")
     if sep and scheme == "ipc" and rest:
         return
-    if sep and scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if colon and host and (port == "*" or port.isdigit() and int(port) <= 65535):
-            return
+    if sep and scheme == "tcp" and rest == rest.strip() and split_host_port(rest, any_port=True) is not None:
+        return
     raise ValueError(f"FleetConfig.{name} must be tcp://HOST:PORT with a port in 0..65535 (0: a free one) or "
                      f"ipc://PATH, got {addr!r}")
 

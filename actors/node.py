@@ -50,6 +50,7 @@ import zmq
 
 from ..cli import log_level
 from ..engines import check_engine_options
+from ..transport.sockets import join_host_port, split_host_port
 from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import (WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs,
@@ -469,21 +470,6 @@ def wait_reachable(host: str, port: int, timeout_s: float) -> None:
                 logger.warning("the store at %s:%d does not answer yet (%s); waiting up to %g s in all", host, port,
                                exc, timeout_s)
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-
-def split_host_port(text: str) -> tuple[str, int] | None:
-    """(host, port) of ``HOST:PORT`` (an IPv6 host in brackets, which are dropped) with a port in
-    0..65535; None when ``text`` is not that."""
-    host, colon, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
-        return None
-    return host, int(port)
-
-
-def join_host_port(host: str, port: int | str) -> str:
-    """``HOST:PORT``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def connect_store(address: str, timeout_s: float) -> Any:

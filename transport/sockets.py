@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-__all__ = ["SocketOptions", "make_socket", "ipc_path", "ipc_in_use"]
+__all__ = ["SocketOptions", "make_socket", "ipc_path", "ipc_in_use", "split_host_port", "join_host_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,23 @@ def make_socket(
         sock.close(linger=0)
         raise
     return sock
+
+
+def split_host_port(text: str, *, any_port: bool = False) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` (an IPv6 host in brackets, which are dropped) with a port in
+    0..65535, or ``*`` (taken as 0, any free one) when ``any_port``; None when ``text`` is not that."""
+    host, colon, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if any_port and port == "*":
+        port = "0"
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def ipc_path(addr: str) -> str | None:

@@ -65,6 +65,9 @@ def test_a_negative_shutdown_grace_is_refused_and_none_at_all_is_taken():
     ({"worker_addr": 123}, "worker_addr must be a str"),
     ({"frontend_addr": "tcp://127.0.0.1"}, "frontend_addr must be tcp://HOST:PORT"),  # failed at start
     ({"frontend_addr": "udp://127.0.0.1:5"}, "frontend_addr"),
+    ({"frontend_addr": "tcp://127.0.0.1:65536"}, "frontend_addr must be tcp://HOST:PORT"),
+    ({"frontend_addr": "tcp://[]:5"}, "frontend_addr must be tcp://HOST:PORT"),  # brackets around no host
+    ({"worker_addr": "tcp://127.0.0.1:5 "}, "worker_addr must be tcp://HOST:PORT"),  # zmq would not bind it
     ({"worker_addr": "ipc://"}, "worker_addr"),
     ({"worker_env": {"A": 1}}, "worker_env must be a dict of str to str"),
     ({"devices": [5]}, "devices must be a list of str"),
