@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +160,7 @@ class FleetConfig:
     deterministic_routing: bool = False
     """Tie-break by worker order instead of randomly (tests)."""
     private_dir_root: str | None = None
-    """Where the fleet's private directory is created; None: the system temp dir."""
+    """An existing directory, where the fleet's private directory is created; None: the system temp dir."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for worker processes."""
     worker_nice: int = 0
@@ -229,6 +230,11 @@ class FleetConfig:
             raise ValueError("accept_remote_workers needs a tcp:// worker_addr and curve_keys_dir")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
+        for name in ("curve_keys_dir", "private_dir_root"):  # at start they would be a FileNotFoundError
+            path = getattr(self, name)
+            if path is not None and not os.path.isdir(path):
+                hint = " (`rollfleet keys DIR` makes one)" if name == "curve_keys_dir" else ""
+                raise ValueError(f"FleetConfig.{name} must be an existing directory or None, got {path!r}{hint}")
         for name in ("worker_addr", "frontend_addr"):
             addr = getattr(self, name)
             if addr:

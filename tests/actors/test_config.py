@@ -74,6 +74,9 @@ def test_a_negative_shutdown_grace_is_refused_and_none_at_all_is_taken():
     ({"devices": "cpu"}, "devices must be a list of str"),  # was 'devices has 3 entries'
     ({"engine_options": None}, "engine_options must be a dict"),
     ({"curve_keys_dir": 3}, "curve_keys_dir"),
+    ({"curve_keys_dir": "/nonexistent/keys"}, "curve_keys_dir must be an existing directory"),  # failed at start
+    ({"private_dir_root": "/nonexistent/root"}, "private_dir_root must be an existing directory"),  # the same
+    ({"private_dir_root": ""}, "private_dir_root must be an existing directory"),
     ({"engine": ["echo"]}, "engine must be a str"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_naming_it(fields, words):
