@@ -190,7 +190,11 @@ class _Base:
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id,
                                resume)
         if sending is not None:
-            await _before(sending, timeout, request_id)
+            try:
+                await _before(sending, timeout, request_id)
+            except BaseException:  # (a cancel or timeout the moment it was sent: aborted, not left running)
+                self._cancel(request_id)
+                raise
         self.on_dispatch(request_id)
         done = False
         try:
@@ -266,10 +270,10 @@ class _Base:
             per_prompt = [_params(p) for p in sampling_params]
         else:
             per_prompt = [_params(sampling_params)] * len(prompts)
+        for request_id in request_ids:  # (before the set of them: an id of a list is no TypeError)
+            _check_id(request_id)
         if len(set(request_ids)) != len(request_ids):
             raise DuplicateRequest("generate_batch: request_ids repeat an id")
-        for request_id in request_ids:
-            _check_id(request_id)
         _check_session(session_id)
         prompts = [_prompt(p) for p in prompts]
         if not prompts:
@@ -406,7 +410,11 @@ class _Base:
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
                                stream, session_id, resume)
         if sending is not None:
-            await _before(sending, timeout, request_id)
+            try:
+                await _before(sending, timeout, request_id)
+            except BaseException:  # (a cancel or timeout the moment it was sent: aborted, not left running)
+                self._cancel(request_id)
+                raise
         self.on_dispatch(request_id)
         done = False
         # One timer for the whole request, which queues the end of its time behind what came
@@ -452,12 +460,20 @@ class _Base:
 
 
 class LLMClient(_Base):
-    """Async client in the supervisor's own process (no socket hop)."""
+    """Async client in the supervisor's own process (no socket hop), on the fleet's event loop:
+    a call from another loop raises RuntimeError."""
 
     def __init__(self, supervisor: Any):
         self.supervisor = supervisor
 
+    def _on_own_loop(self) -> None:
+        loop = self.supervisor._loop  # (None until the fleet starts: its submit says what is wrong)
+        if loop is not None and loop is not asyncio.get_running_loop():
+            raise RuntimeError("an LLMClient is used on its fleet's event loop only (its answers are set there); "
+                               "from another thread use a SyncClient, or a RemoteClient per event loop")
+
     def _submit(self, request_id, prompt_ids, params, sink, stream, session_id, resume):  # type: ignore[no-untyped-def]
+        self._on_own_loop()
         self.supervisor.submit("local", request_id, prompt_ids, params, sink,
                                stream=stream, session_id=session_id, resume=resume)
 
@@ -466,6 +482,7 @@ class LLMClient(_Base):
             self.supervisor.cancel("local", request_id)
 
     def _check_open(self) -> None:
+        self._on_own_loop()
         if self.supervisor.closed:
             raise FleetClosed("the fleet is shut down")
 
@@ -490,6 +507,7 @@ class LLMClient(_Base):
 
     async def control(self, op: str, **args: Any) -> dict[str, Any]:
         """Raises Unsupported when an engine lacks ``op``."""
+        self._on_own_loop()
         return await self.supervisor.control(op, args)
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
@@ -509,6 +527,7 @@ class LLMClient(_Base):
 
     async def update_weights(self, named_tensors: Any, version: int, **kwargs: Any) -> Any:
         """Push new weights to every worker (see Supervisor.update_weights)."""
+        self._on_own_loop()
         return await self.supervisor.update_weights(named_tensors, version, **kwargs)
 
 

@@ -31,8 +31,13 @@ class FleetGroup:
         return self.fleets[name]
 
     async def start(self) -> None:
-        """Start every fleet concurrently; if one fails, stop them all and raise its error."""
-        results = await asyncio.gather(*(f.start() for f in self.fleets.values()), return_exceptions=True)
+        """Start every fleet concurrently; if one fails, or the start is cancelled, stop them all
+        and raise its error (or the cancellation)."""
+        try:
+            results = await asyncio.gather(*(f.start() for f in self.fleets.values()), return_exceptions=True)
+        except BaseException:  # cancelled (a timeout around it, Ctrl-C): those already up are stopped too
+            await asyncio.shield(self.shutdown())
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.shutdown()

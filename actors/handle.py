@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import RequestTimeout, WorkerLost, from_code
+from ..errors import FleetClosed, RequestTimeout, WorkerLost, from_code
 from ..transport.messages import Message
 from .process import WorkerProcess
 
@@ -90,10 +90,15 @@ class WorkerHandle:
             fut.set_result(data or {})
         return True
 
-    def fail_calls(self, reason: str) -> None:
+    def fail_calls(self, reason: str, *, closing: bool = False) -> None:
+        """End the calls waiting for this worker: WorkerLost, or FleetClosed when ``closing``
+        (the fleet shuts down)."""
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(WorkerLost(f"worker {self.worker_id} died: {reason}"))
+                if closing:
+                    fut.set_exception(FleetClosed(f"the fleet shut down before worker {self.worker_id} answered"))
+                else:
+                    fut.set_exception(WorkerLost(f"worker {self.worker_id} died: {reason}"))
         self._pending.clear()
 
     def on_heartbeat(self, weight_version: int, num_tokens: int) -> None:

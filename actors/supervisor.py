@@ -425,6 +425,8 @@ class Supervisor:
         try:
             for entry in list(self.table):
                 self._fail(entry, FleetClosed("the fleet is shutting down"))
+            for h in self.workers.values():  # control ops and the like: closed, not a worker lost
+                h.fail_calls("fleet shut down", closing=True)
             handles = [h for h in self.workers.values() if h.alive]
             for h in handles:
                 if isinstance(h.proc, RemoteProcess):

@@ -98,7 +98,10 @@ class SyncClient:
     ``shutdown`` those of the Supervisor."""
 
     def __init__(self, config: FleetConfig | None = None, *, start_timeout_s: float | None = None, **overrides: Any):
-        """Start the fleet and return once every worker is ready. Raises WorkerStartError."""
+        """Start the fleet and return once every worker is ready. ``start_timeout_s``: the most
+        this waits for that (None: as long as the fleet's own start_timeout_s lets it take).
+        Raises WorkerStartError (when a worker fails to start, or the start outlasts
+        ``start_timeout_s``)."""
         self.supervisor = Supervisor(config, **overrides)
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-loop", daemon=True)
@@ -107,8 +110,13 @@ class SyncClient:
         # Runs once: at shutdown(), when the client is collected, or at interpreter exit. It holds
         # no reference to the client, so dropping the client is what shuts a forgotten fleet down.
         self._stop = weakref.finalize(self, _stop_fleet, self.supervisor, self._loop, self._thread)
+        from ..errors import RequestTimeout, WorkerStartError
+
         try:
-            self._call(self.supervisor.start(), start_timeout_s)
+            try:
+                self._call(self.supervisor.start(), start_timeout_s)
+            except RequestTimeout:
+                raise WorkerStartError(f"the fleet did not start within start_timeout_s={start_timeout_s}") from None
         except BaseException:
             self.shutdown()
             raise

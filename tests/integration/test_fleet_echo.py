@@ -389,6 +389,18 @@ async def test_hello_never_promises_more_than_the_socket_takes():
             ctx.destroy(0)
 
 
+async def test_generate_batch_ids_that_are_no_str_are_invalid_requests_even_unhashable_ones():
+    async with fleet(1) as sup:
+        client = sup.client()
+        for ids in (["a", ["b"]], [{"x": 1}, "c"], ["d", 5]):
+            with pytest.raises(InvalidRequest) as info:  # a list among them was a TypeError of set()
+                await client.generate_batch([[1], [2]], SamplingParams(max_tokens=1), request_ids=ids)
+            assert info.value.code == "bad_field"
+        with pytest.raises(DuplicateRequest):
+            await client.generate_batch([[1], [2]], SamplingParams(max_tokens=1), request_ids=["e", "e"])
+        assert (await sup.stats())["num_inflight"] == 0
+
+
 async def test_a_prompt_the_engine_cannot_take_is_the_clients_error_and_the_worker_serves_on():
     async with fleet(1) as sup:
         client = sup.client()

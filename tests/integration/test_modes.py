@@ -311,3 +311,21 @@ async def test_a_weight_update_while_a_restarted_worker_is_being_paused_reaches_
         assert {r.worker for r in results} == {w["worker_id"] for w in stats["workers"]}  # both served
         assert {(tuple(r.token_ids), tuple(r.weight_versions)) for r in results} == {
             (tuple(echo_tokens([7], 4, offset=9)), (2,))}
+
+
+async def test_a_group_whose_start_is_cancelled_stops_the_fleets_already_up():
+    group = FleetGroup({"fast": FleetConfig(engine="echo", num_workers=1),
+                        "slow": FleetConfig(engine="echo", num_workers=1, engine_options={"start_delay_s": 30})})
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(group.start(), 8)  # the fast one is up by then, the slow one is not
+    assert group["fast"].closed and group["slow"].closed  # the fast one was left serving
+
+
+async def test_a_control_op_waiting_when_the_fleet_shuts_down_ends_with_fleet_closed():
+    sup = Supervisor(FleetConfig(engine="echo", num_workers=1, engine_options={"control_delay_s": 3}))
+    await sup.start()
+    sleeping = asyncio.ensure_future(sup.client().sleep())
+    await asyncio.sleep(0.5)  # sent; the engine takes 3 s to answer
+    await sup.shutdown()
+    with pytest.raises(FleetClosed):  # was WorkerLost, as if a worker had died
+        await sleeping

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollfleet.actors import FleetConfig, SyncClient
-from rollfleet.errors import FleetClosed, InvalidRequest, RequestTimeout
+from rollfleet.errors import FleetClosed, InvalidRequest, RequestTimeout, WorkerStartError
 from rollfleet.transport.messages import SamplingParams
 
 from .test_fleet_echo import expected_tokens
@@ -199,3 +199,27 @@ def test_stream_from_plain_code_yields_chunks_then_the_result_and_closing_it_abo
         assert [r.token_ids for r in results] == [expected_tokens(p, 2) for p in ([1], [2], [3])]
     with pytest.raises(FleetClosed):
         next(fleet.stream("s4", [1]))
+
+
+def test_a_start_that_outlasts_start_timeout_s_is_a_worker_start_error_and_leaves_nothing():
+    config = FleetConfig(engine="echo", num_workers=1, engine_options={"start_delay_s": 30})
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match="start_timeout_s=1"):  # was RequestTimeout, a request's error
+        SyncClient(config, start_timeout_s=1)
+    assert time.monotonic() - t0 < 20  # (the no_leaks fixture checks that no worker is left)
+
+
+def test_its_llm_client_used_from_another_event_loop_raises_instead_of_hanging():
+    import asyncio
+
+    with SyncClient(FleetConfig(engine="echo", num_workers=1)) as fleet:
+        async def elsewhere():
+            with pytest.raises(RuntimeError, match="event loop"):
+                await fleet.client.generate("x", [1], SamplingParams(max_tokens=2))
+            with pytest.raises(RuntimeError, match="event loop"):
+                await fleet.client.stats()
+
+        outcome = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, elsewhere())
+        outcome.result(30)  # it used to wait forever: its answer was set on the fleet's loop
+        assert fleet.stats()["num_inflight"] == 0
+        assert fleet.generate("y", [1], SamplingParams(max_tokens=2)).token_ids == expected_tokens([1], 2)
