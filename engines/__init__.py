@@ -21,7 +21,8 @@ ENGINE_OPTIONS: dict[str, frozenset[str]] = {
                                "fail_generate_after", "fail_fatal"},
     "torch": _COMMON_OPTIONS | {"model", "dtype", "max_batch_size", "num_threads", "attn_implementation"},
     "vllm": _COMMON_OPTIONS | {"model", "dtype", "max_model_len", "enforce_eager", "gpu_memory_utilization",
-                               "tensor_parallel_size", "enable_lora", "max_lora_rank", "profile_dir", "extra"},
+                               "tensor_parallel_size", "enable_lora", "max_lora_rank", "profile_dir", "enable_sleep_mode",
+                               "extra"},
     "sglang": _COMMON_OPTIONS | {"model", "engine_factory", "extra"},
 }
 
@@ -58,6 +59,7 @@ _VALUE_CHECKS: dict[tuple[str | None, str], tuple[str, Any]] = {
     ("vllm", "max_model_len"): ("an int >= 1", _count),
     ("vllm", "tensor_parallel_size"): ("an int >= 1", _count),
     ("vllm", "gpu_memory_utilization"): ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    ("vllm", "enable_sleep_mode"): ("True or False", lambda v: type(v) is bool),
     (None, "seed"): ("an int", lambda v: type(v) is int),
     (None, "sampling_seed"): ("an int", lambda v: type(v) is int),
     (None, "model"): ("a non-empty str (a model directory or name)", lambda v: type(v) is str and v != ""),

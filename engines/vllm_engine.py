@@ -15,7 +15,9 @@ Options: ``model`` (dir, required), ``max_model_len`` (512), ``gpu_memory_utiliz
 ``dtype``, ``seed`` (vLLM's seed: its draws for requests without one; a fleet passes each worker
 its own, ``sampling_seed``, derived from it), ``tensor_parallel_size``, ``enforce_eager`` (default: True without CUDA),
 ``enable_lora``, ``max_lora_rank`` (16), ``profile_dir`` (enables vLLM's torch profiler; it is
-configured once, at start), ``private_dir``, ``extra`` (more engine arguments).
+configured once, at start), ``enable_sleep_mode`` (default: True where vLLM has sleep mode, CUDA: without
+it vLLM's sleep frees no memory, so the engine then offers no ``sleep``), ``private_dir``, ``extra`` (more
+engine arguments).
 """
 
 from __future__ import annotations
@@ -239,6 +241,11 @@ class VllmEngine(Engine):
         for key in ("gpu_memory_utilization", "dtype", "seed", "tensor_parallel_size"):
             if opts.get(key) is not None:
                 args[key] = opts[key]
+        sleep = opts.get("enable_sleep_mode")
+        if sleep is None:  # vLLM's own default is off: its sleep would then free no memory
+            sleep = cuda and _sleep_mode_available()
+        if sleep:
+            args["enable_sleep_mode"] = True  # (weights and KV cache in its cumem pool, which sleep releases)
         if opts.get("sampling_seed") is not None:
             # vLLM draws unseeded requests from one generator seeded with this: the same value in
             # every worker would give them the same samples.
@@ -296,7 +303,7 @@ class VllmEngine(Engine):
         llm, caps = self.llm, {"logprobs", "load_weights"}
         if hasattr(llm, "pause_generation") and hasattr(llm, "resume_generation"):
             caps.add("pause")
-        if hasattr(llm, "sleep") and hasattr(llm, "wake_up") and _sleep_mode_available():
+        if hasattr(llm, "sleep") and hasattr(llm, "wake_up") and _sleep_frees_memory(llm):
             caps.add("sleep")
         if hasattr(llm, "reset_prefix_cache"):
             caps.add("clear_kv_cache")
@@ -430,17 +437,17 @@ class VllmEngine(Engine):
 
     async def sleep(self, level: int = 1) -> None:
         llm = self._check()
-        # Where vLLM has no sleep mode (CPU) its sleep frees nothing, only logs a warning,
-        # and aborts the running requests: refuse it rather than pretend.
-        if not _sleep_mode_available():
-            raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
+        # Where vLLM has no sleep mode (CPU), or was started without it, its sleep frees
+        # nothing and aborts the running requests: refuse it rather than pretend.
+        if not _sleep_frees_memory(llm):
+            raise Unsupported(_NO_SLEEP)
         await llm.sleep(level)
         self._sleep_level, self._weights_awake = level, False
 
     async def wake_up(self) -> None:
         llm = self._check()
-        if not _sleep_mode_available():
-            raise Unsupported("vllm has no sleep mode on this platform (it would free no memory)")
+        if not _sleep_frees_memory(llm):
+            raise Unsupported(_NO_SLEEP)
         await llm.wake_up()
         self._sleep_level, self._weights_awake = 0, True
 
@@ -626,6 +633,16 @@ def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
+
+
+_NO_SLEEP = ("vllm has no sleep mode here (it would free no memory): not on this platform, or the engine was "
+             "started with enable_sleep_mode False")
+
+
+def _sleep_frees_memory(llm: Any) -> bool:
+    """vLLM's platform has sleep mode and this engine was started with it (its memory in the pool
+    that sleep releases)."""
+    return _sleep_mode_available() and bool(getattr(getattr(llm, "model_config", None), "enable_sleep_mode", False))
 
 
 def _walk(root: str) -> list[str]:

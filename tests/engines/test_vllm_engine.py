@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import tempfile
+import types
 
 import pytest
 import pytest_asyncio
@@ -443,9 +444,10 @@ class AsyncLLMWithSleepStandIn:
     lacks: the real signatures of sleep, wake_up and collective_rpc; it tracks which GPU memory
     is mapped, and a weight load into unmapped weights fails as it would on the GPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, enable_sleep_mode: bool = True) -> None:
         self.calls: list[tuple] = []
         self.mapped = {"weights", "kv_cache"}
+        self.model_config = types.SimpleNamespace(enable_sleep_mode=enable_sleep_mode)  # AsyncLLM.model_config
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.calls.append(("sleep", level))
@@ -592,3 +594,24 @@ async def test_a_killed_process_s_own_engine_directory_is_removed_by_the_next_fl
         assert not os.path.exists(own)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_sleep_mode_is_asked_of_vllm_where_it_has_one_and_without_it_sleep_is_not_offered(monkeypatch, tmp_path):
+    # vLLM's enable_sleep_mode is off by default, and its sleep then frees no memory (weights and
+    # KV cache are not in the pool it releases), only aborting what runs.
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_sleep_mode_available", lambda self: True)
+    assert VllmEngine({"model": "/m"})._engine_args(cuda=True)["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in VllmEngine({"model": "/m", "enable_sleep_mode": False})._engine_args(cuda=True)
+    assert "enable_sleep_mode" not in VllmEngine({"model": "/m"})._engine_args(cuda=False)
+    from rollfleet.errors import Unsupported
+
+    engine = VllmEngine({"model": str(tmp_path)})
+    engine.llm = AsyncLLMWithSleepStandIn(enable_sleep_mode=False)
+    assert "sleep" not in engine.capabilities()
+    with pytest.raises(Unsupported, match="enable_sleep_mode"):
+        await engine.sleep(1)
+    assert engine.llm.calls == []
+    engine.llm = AsyncLLMWithSleepStandIn()
+    assert "sleep" in engine.capabilities()
