@@ -1,14 +1,29 @@
-"""The SGLang engine, written against SGLang's documented offline ``sglang.Engine`` API.
+"""The SGLang engine, written against SGLang's offline ``sglang.Engine`` and the
+TokenizerManager it holds (``engine.tokenizer_manager``).
+
+The Engine's synchronous control methods (flush_cache, update_weights_from_tensor,
+release_memory_occupation, ...) each run ``self.loop.run_until_complete`` on the loop that
+was current when the Engine was built, while ``async_generate`` runs on the caller's. So the
+adapter builds the Engine on the worker's running loop and awaits the TokenizerManager's
+coroutines there itself, with SGLang's request objects (``sglang.srt.managers.io_struct``);
+abort_request, which writes to the manager's ZMQ socket, is called on that loop too, never
+from another thread.
 
 SGLang needs a CUDA stack, so this adapter is tested against a stand-in
-(tests/engines/sglang_standin.py) with the same method signatures. Every optional operation
-is looked up on the engine object at run time: an older SGLang that lacks one makes the
-adapter drop the matching capability and raise ``Unsupported``, instead of failing at import.
+(tests/engines/sglang_standin.py) shaped like it. Every optional operation is looked up on
+the TokenizerManager at run time: an older SGLang that lacks one makes the adapter drop the
+matching capability and raise ``Unsupported``, instead of failing at import.
 
 Options: ``model`` (path, required), ``engine_factory`` ("module:callable" building the engine;
-default "sglang:Engine"), ``extra`` (more keyword arguments for the engine: tp_size,
-mem_fraction_static, ...). ``seed`` maps to SGLang's ``random_seed``; ``sampling_seed`` (set per
-worker by a fleet, derived from ``seed``) takes its place when present.
+default "sglang:Engine"), ``extra`` (more keyword arguments for the engine, SGLang's server
+args: tp_size, mem_fraction_static, ...). ``seed`` maps to SGLang's ``random_seed``;
+``sampling_seed`` (set per worker by a fleet, derived from ``seed``) takes its place when
+present. ``enable_memory_saver`` is passed True unless ``extra`` says otherwise, as verl does
+for a rollout that shares its GPUs with training: without it SGLang's
+release/resume_memory_occupation free nothing, so the adapter only lists "sleep" when the
+engine's server args have it on. ``pause`` keeps requests (SGLang's ``retract`` mode: they go
+back to the waiting queue, and their KV cache is rebuilt on resume, so the cache may be
+flushed, e.g. by a weight update, while paused).
 """
 
 from __future__ import annotations
@@ -21,13 +36,13 @@ from typing import Any
 
 from ..errors import EngineFailed, Unsupported
 from ..transport.messages import FinishReason, SamplingParams
-from .base import Engine, EngineOutput
+from .base import Engine, EngineOutput, check_prompt
 
 __all__ = ["SglangEngine", "load_factory"]
 
 logger = logging.getLogger(__name__)
 
-# capability -> engine methods it needs
+# capability -> TokenizerManager methods it needs
 NEEDS = {
     "pause": ("pause_generation", "continue_generation"),
     "sleep": ("release_memory_occupation", "resume_memory_occupation"),
@@ -57,6 +72,12 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return {"stop": "stop", "length": "length"}.get(str(kind), FinishReason.ABORT.value)
 
 
+def io_struct() -> Any:
+    """SGLang's request objects, imported when first needed (a fleet of other engines never
+    imports sglang)."""
+    return importlib.import_module("sglang.srt.managers.io_struct")
+
+
 class SglangEngine(Engine):
     name = "sglang"
 
@@ -73,13 +94,16 @@ class SglangEngine(Engine):
 
     async def start(self) -> None:
         factory = load_factory(str(self.options.get("engine_factory") or "sglang:Engine"))
-        kwargs: dict[str, Any] = {"model_path": str(self.options["model"]), "skip_tokenizer_init": True}
+        kwargs: dict[str, Any] = {"model_path": str(self.options["model"]), "skip_tokenizer_init": True,
+                                  "enable_memory_saver": True}
         seed = self.options.get("sampling_seed", self.options.get("seed"))
         if seed is not None:
             kwargs["random_seed"] = int(seed)
         kwargs.update(self.options.get("extra") or {})
-        # Building an SGLang engine blocks while it loads the model; keep the loop alive.
-        self.engine = await asyncio.to_thread(factory, **kwargs)
+        # Built here, not in a thread: the Engine keeps the loop current at its making, and its
+        # TokenizerManager's asyncio objects and sockets must live on the loop that awaits
+        # them. The loop is held while the model loads; the worker is not serving yet.
+        self.engine = factory(**kwargs)
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -87,35 +111,38 @@ class SglangEngine(Engine):
         self._closed = True
         if self.engine is not None and hasattr(self.engine, "shutdown"):
             try:
+                # It kills the engine's processes and waits for them; no loop is involved.
                 await asyncio.to_thread(self.engine.shutdown)
             except Exception:
                 logger.exception("sglang shutdown raised")
         self.engine = None
 
+    @property
+    def _manager(self) -> Any:
+        if self.engine is None:
+            raise EngineFailed("the sglang engine is not running")
+        return self.engine.tokenizer_manager
+
     def capabilities(self) -> set[str]:
         if self.engine is None:
             return set()
+        manager = self.engine.tokenizer_manager
         caps = {"logprobs"}
         for cap, methods in NEEDS.items():
-            if all(callable(getattr(self.engine, m, None)) for m in methods):
+            if all(callable(getattr(manager, m, None)) for m in methods):
                 caps.add(cap)
+        if not getattr(getattr(self.engine, "server_args", None), "enable_memory_saver", False):
+            caps.discard("sleep")  # releasing would free nothing
         return caps
 
     def _method(self, cap: str, index: int = 0) -> Any:
-        if self.engine is None:
-            raise EngineFailed("the sglang engine is not running")
-        fn = getattr(self.engine, NEEDS[cap][index], None)
+        manager = self._manager
+        fn = getattr(manager, NEEDS[cap][index], None)
         if cap not in self.capabilities() or fn is None:
-            raise Unsupported(f"this SGLang engine has no {NEEDS[cap][index]}()")
+            why = "enable_memory_saver is off" if cap == "sleep" and fn is not None else \
+                f"its TokenizerManager has no {NEEDS[cap][index]}()"
+            raise Unsupported(f"this SGLang engine cannot {cap}: {why}")
         return fn
-
-    @staticmethod
-    async def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """SGLang's Engine methods are synchronous (they wait on its scheduler); a stand-in
-        or a newer version may be async. Either way the event loop keeps running."""
-        if asyncio.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ requests
 
@@ -136,9 +163,13 @@ class SglangEngine(Engine):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
-        """Raises EngineFailed when SGLang fails the request."""
-        if self.engine is None:
-            raise EngineFailed("the sglang engine is not running")
+        """Raises InvalidRequest (a prompt the model cannot take), EngineFailed when SGLang
+        fails the request."""
+        manager = self._manager
+        # With skip_tokenizer_init SGLang takes input_ids as given: an id outside the
+        # vocabulary would reach the model's embedding.
+        check_prompt(request_id, prompt_ids, max_len=int(manager.context_len),
+                     vocab_size=int(manager.model_config.vocab_size))
         if params.max_tokens == 0:
             yield EngineOutput([], [] if params.logprobs else None, FinishReason.LENGTH.value)
             return
@@ -188,46 +219,65 @@ class SglangEngine(Engine):
     async def abort(self, request_id: str) -> None:
         if self.engine is None or request_id not in self._running:
             return
-        fn = getattr(self.engine, "abort_request", None)
-        if fn is None:  # versions without Engine.abort_request still have the manager's
-            fn = self.engine.tokenizer_manager.abort_request
-        await self._call(fn, request_id)
+        # On the loop, not in a thread: it sends on the manager's ZMQ socket.
+        self.engine.tokenizer_manager.abort_request(rid=request_id)
 
     # ------------------------------------------------------------------ control
 
     async def pause(self) -> None:
-        await self._call(self._method("pause", 0))
+        fn = self._method("pause", 0)
+        await fn(io_struct().PauseGenerationReqInput(mode="retract"))
         self._paused = True
 
     async def resume(self) -> None:
-        await self._call(self._method("pause", 1))
+        fn = self._method("pause", 1)
+        await fn(io_struct().ContinueGenerationReqInput())
         self._paused = False
 
     async def sleep(self, level: int = 1) -> None:
-        await self._call(self._method("sleep", 0))
+        fn = self._method("sleep", 0)
+        await fn(io_struct().ReleaseMemoryOccupationReqInput(), None)
 
     async def wake_up(self) -> None:
-        await self._call(self._method("sleep", 1))
+        fn = self._method("sleep", 1)
+        await fn(io_struct().ResumeMemoryOccupationReqInput(), None)
 
     async def clear_kv_cache(self) -> None:
-        await self._call(self._method("clear_kv_cache"))
+        result = await self._method("clear_kv_cache")()
+        # SGLang refuses to flush while requests run (or are paused in place); the cache is
+        # then as it was, which costs reuse of stale prefixes, not correctness of new ones.
+        if result is not None and not getattr(result, "success", True):
+            logger.warning("sglang refused to flush its cache: requests are running")
 
     async def start_profile(self, trace_dir: str) -> None:
         # SGLang takes the trace directory per call (older versions read SGLANG_TORCH_PROFILER_DIR).
         fn = self._method("profile", 0)
         try:
-            await self._call(fn, output_dir=trace_dir)
+            await fn(output_dir=trace_dir)
         except TypeError:
-            await self._call(fn)
+            await fn()
 
     async def stop_profile(self) -> None:
-        await self._call(self._method("profile", 1))
+        await self._method("profile", 1)()
 
     async def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Hand named tensors to update_weights_from_tensor (flushing the cache after)."""
+        """Hand named tensors to update_weights_from_tensor (flushing the cache after). Raises
+        EngineFailed when SGLang reports the update failed."""
         fn = self._method("load_weights")
+        from sglang.srt.utils import MultiprocessingSerializer
+
         named = [(str(n), t) for n, t in weights]
-        await self._call(fn, named_tensors=named, load_format=None, flush_cache=True)
+        # One payload per TP rank, as Engine.update_weights_from_tensor makes them: each rank
+        # deserializes its own copy.
+        tp_size = int(getattr(self.engine.server_args, "tp_size", 1) or 1)
+        obj = io_struct().UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(tp_size)],
+            load_format=None,
+            flush_cache=True,
+        )
+        success, message = await fn(obj, None)
+        if not success:
+            raise EngineFailed(f"sglang refused the weight update: {message}")
 
     def stats(self) -> dict[str, Any]:
         return {
