@@ -135,6 +135,11 @@ def _check_id(request_id: Any) -> None:
         raise InvalidRequest(f"request_id must be a non-empty str, got {request_id!r}", code="bad_field")
 
 
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0):  # (NaN is not >= 0)
+        raise InvalidRequest(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}", code="bad_field")
+
+
 def _check_session(session_id: Any) -> None:
     if session_id is not None and type(session_id) is not str:
         raise InvalidRequest(f"session_id must be a str or None, got {session_id!r}", code="bad_field")
@@ -179,6 +184,7 @@ class _Base:
         _check_session(session_id)
         if timeout is None:
             timeout = self.default_timeout_s
+        _check_timeout(timeout)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Message] = loop.create_future()
 
@@ -280,6 +286,7 @@ class _Base:
             return []
         if timeout is None:
             timeout = self.default_timeout_s
+        _check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         try:
@@ -404,6 +411,7 @@ class _Base:
         _check_session(session_id)
         if timeout is None:
             timeout = self.default_timeout_s
+        _check_timeout(timeout)
         queue: asyncio.Queue[Message] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -488,7 +496,9 @@ class LLMClient(_Base):
 
     async def abort(self, request_id: str) -> bool:
         """Abort one request; its generate() returns a result with finish_reason 'abort'.
-        Returns False when no such request is in flight. Raises FleetClosed after shutdown."""
+        Returns False when no such request is in flight. Raises FleetClosed after shutdown, and
+        InvalidRequest for an id that is no str, as a RemoteClient does."""
+        _check_id(request_id)
         self._check_open()
         return self.supervisor.abort("local", request_id)
 

@@ -533,9 +533,9 @@ class Supervisor:
         """True once shutdown has finished (``closed`` is True from its start)."""
         return self._closed
 
-    def _check_open(self) -> None:
+    def _check_open(self, request_id: str | None = None) -> None:
         if not self._started or self.closed:
-            raise FleetClosed("the fleet is not running")
+            raise FleetClosed("the fleet is not running", request_id=request_id)
 
     def client(self) -> Any:
         """An in-process client of this fleet. All of them are one client to it: they share
@@ -995,7 +995,7 @@ class Supervisor:
 
         Raises FleetClosed, DuplicateRequest, Overloaded, InvalidRequest.
         """
-        self._check_open()
+        self._check_open(request_id)
         if self._no_workers:
             raise FleetError(self._no_workers, request_id=request_id)
         if not request_id:

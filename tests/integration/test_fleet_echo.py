@@ -401,6 +401,24 @@ async def test_generate_batch_ids_that_are_no_str_are_invalid_requests_even_unha
         assert (await sup.stats())["num_inflight"] == 0
 
 
+async def test_a_timeout_that_is_no_number_of_seconds_and_an_abort_of_no_str_id_are_invalid_requests():
+    async with fleet(1) as sup:
+        client = sup.client()
+        for timeout in (float("nan"), "1", -1, True):  # NaN timed out at random or never; "1" was a TypeError
+            for call in (lambda: client.generate("t", [1], SamplingParams(max_tokens=1), timeout=timeout),
+                         lambda: client.generate_batch([[1]], SamplingParams(max_tokens=1), timeout=timeout),
+                         lambda: anext(aiter(client.stream("s", [1], SamplingParams(max_tokens=1), timeout=timeout)))):
+                with pytest.raises(InvalidRequest, match="timeout") as info:
+                    await call()
+                assert info.value.code == "bad_field"
+        with pytest.raises(InvalidRequest):  # it was False, as for an id not in flight
+            await client.abort(5)
+        assert (await sup.stats())["num_inflight"] == 0
+    answers = await client.generate_batch([[1], [2]], request_ids=["a", "b"], return_exceptions=True)
+    assert [type(a) for a in answers] == [FleetClosed, FleetClosed]
+    assert [a.request_id for a in answers] == ["a", "b"]  # each slot names its request
+
+
 async def test_a_prompt_the_engine_cannot_take_is_the_clients_error_and_the_worker_serves_on():
     async with fleet(1) as sup:
         client = sup.client()
