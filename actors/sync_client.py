@@ -113,12 +113,11 @@ class SyncClient:
         from ..errors import RequestTimeout, WorkerStartError
 
         try:
-            try:
-                self._call(self.supervisor.start(), start_timeout_s)
-            except RequestTimeout:
-                raise WorkerStartError(f"the fleet did not start within start_timeout_s={start_timeout_s}") from None
-        except BaseException:
+            self._call(self.supervisor.start(), start_timeout_s)
+        except BaseException as exc:
             self.shutdown()
+            if isinstance(exc, RequestTimeout):  # _call's own deadline: the start, not a request, timed out
+                raise WorkerStartError(f"the fleet did not start within start_timeout_s={start_timeout_s}") from None
             raise
         self.client = self._call(self._make_client())
 
