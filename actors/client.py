@@ -544,6 +544,8 @@ class LLMClient(_Base):
 # Watched on a RemoteClient's socket from before it connects: a connection is up once its
 # handshake succeeded, and lost at a disconnect.
 _CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+CLOSE_ABORT_S = 2.0
+"""How long RemoteClient.close() waits for the fleet to answer the abort of the client's requests."""
 
 
 class RemoteClient(_Base):
@@ -602,6 +604,7 @@ class RemoteClient(_Base):
         self._batch = False  # the fleet takes batches from this client
         self._max_send: int | None = None  # the largest message the fleet reads (its hello says)
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # set while close() aborts this client's requests
 
     async def __aenter__(self) -> "RemoteClient":
         return self
@@ -610,11 +613,51 @@ class RemoteClient(_Base):
         await self.close()
 
     async def close(self) -> None:
-        """Close the socket. Calls still waiting for an answer end with FleetClosed (their
-        requests keep running on the fleet, as after any disconnect: abort what you no longer
-        need first)."""
+        """Close the socket. Calls still waiting for an answer end with FleetClosed at once. The
+        requests this client still has running on the fleet are then aborted (one ``abort_all``,
+        its answer awaited for up to CLOSE_ABORT_S): no later connection could ever read them,
+        and the fleet is not told when a client goes away (PROTOCOL.md section 1)."""
         if self._closed:
             return
+        if self._closing is not None:  # another close() is aborting: this one ends with it
+            await asyncio.shield(self._closing)
+            return
+        self._closing = asyncio.get_running_loop().create_future()  # no new call goes out meanwhile
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(Error(id=request_id, code=FleetClosed.code, message="client closed", request_id=request_id))
+        try:
+            # (requests given up on had their aborts sent; one may not have left the socket yet)
+            if (sinks or self._given_up) and self._up and self._lsock is not None:
+                await self._abort_mine()
+        finally:
+            self._shut()
+            self._closing.set_result(None)
+
+    async def _abort_mine(self) -> None:
+        """Best effort: an abort_all for this client's requests, and a short wait for its answer
+        (which says the fleet has stopped them; their own last answers are not waited for)."""
+        assert self._lsock is not None
+        loop = asyncio.get_running_loop()
+        if self._lsock._loop is not loop:  # closed from another loop: its socket is not ours to drive here
+            return
+        msg = AbortAll(id=f"a{next(self._ids)}", session_id=None)
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._calls[msg.id] = fut
+        try:
+            if self._batch:
+                self._lsock.post(None, codec.encode(msg))
+            else:
+                self._lsock.send([codec.encode(msg)])
+            data = await asyncio.wait_for(fut, min(self.call_timeout_s, CLOSE_ABORT_S))
+            logger.debug("closing: aborted %d requests on the fleet", len(data.get("request_ids", [])))
+        except (RolloutError, zmq.ZMQError, asyncio.TimeoutError) as exc:  # the fleet went, or is too slow
+            logger.info("closing: could not abort this client's requests on the fleet at %s: %s", self.address,
+                        exc or type(exc).__name__)
+        finally:
+            self._calls.pop(msg.id, None)
+
+    def _shut(self) -> None:
         self._closed = True
         if self._hello is not None and not self._hello.done():
             self._hello.cancel()
@@ -627,7 +670,7 @@ class RemoteClient(_Base):
             self._lsock.close(linger=0)
         else:
             self._sock.close(linger=0)
-        sinks, self._sinks = self._sinks, {}
+        sinks, self._sinks = self._sinks, {}  # (one made while close() waited: none can be)
         self._given_up.clear()
         for request_id, sink in sinks.items():
             sink(Error(id=request_id, code=FleetClosed.code, message="client closed", request_id=request_id))
@@ -637,7 +680,7 @@ class RemoteClient(_Base):
                 fut.set_exception(FleetClosed("client closed"))
 
     def _socket(self) -> LoopSocket:
-        if self._closed:
+        if self._closed or self._closing is not None:
             raise FleetClosed("client is closed")
         if self._lsock is None:
             self._lsock = LoopSocket(self._sock, self._on_frames)

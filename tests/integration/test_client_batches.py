@@ -308,10 +308,68 @@ async def test_closing_a_remote_client_ends_its_waiting_calls_with_fleet_closed(
                 await asyncio.wait_for(task, 5)
         with pytest.raises(FleetClosed):
             await client.generate("after", [1], SamplingParams(max_tokens=1))
-        # the requests themselves go on, as after any disconnect, until aborted
-        assert sorted(e.request_id for e in sup.table) == ["long0", "long1", "long2", "s"]
-        for entry in list(sup.table):
-            assert sup.abort(entry.origin, entry.request_id)
+        # and the requests themselves were aborted: nothing could read their answers any more
+        assert await wait_for(lambda: len(sup.table) == 0, 10)
+        assert sup.counters["aborted"] == 4 and sup.counters["completed"] == 1  # the warm-up
+
+
+async def test_closing_a_remote_client_aborts_its_own_requests_only_even_one_cancelled_just_before():
+    async with Supervisor(FleetConfig(engine="echo", num_workers=2, engine_options={"tokens_per_s": 20})) as sup:
+        other = RemoteClient(sup.frontend_address)
+        local = sup.client()
+        client = RemoteClient(sup.frontend_address)
+        params = SamplingParams(max_tokens=100_000)
+        theirs = [asyncio.create_task(other.generate("same-id", [1], params)),
+                  asyncio.create_task(local.generate("same-id", [1], params))]
+        mine = [asyncio.create_task(client.generate("same-id", [1], params)),
+                asyncio.create_task(client.generate("cancelled", [1], params))]
+        assert await wait_for(lambda: len(sup.table) == 4, 10)
+        mine[1].cancel()  # its abort is posted; close() comes in the same loop iteration
+        await client.close()
+        assert await wait_for(lambda: len(sup.table) == 2, 10)
+        assert all(not t.done() for t in theirs)  # the other clients' requests run on
+        assert sorted(e.origin == "local" for e in sup.table) == [False, True]
+        with pytest.raises(FleetClosed):
+            await mine[0]
+        assert await other.abort("same-id") and await local.abort("same-id")
+        assert [r.finish_reason for r in await asyncio.gather(*theirs)] == ["abort", "abort"]
+        await other.close()
+
+
+async def test_closing_a_remote_client_waits_at_most_close_abort_s_for_a_fleet_that_stopped_answering(monkeypatch):
+    from rollfleet.actors import client as client_module
+    from rollfleet.transport.messages import Reply
+
+    monkeypatch.setattr(client_module, "CLOSE_ABORT_S", 0.3)
+    ctx = zmq.asyncio.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[str] = []
+
+    async def serve() -> None:  # answers hello, then reads and answers nothing more
+        while True:
+            identity, frame = await mute.recv_multipart()
+            msg = codec.decode([frame])
+            seen.append(msg.TYPE.value)
+            if isinstance(msg, Hello):
+                await mute.send_multipart([identity, codec.encode(Reply(id=msg.id, data={"batch": False}))])
+
+    server = asyncio.create_task(serve())
+    try:
+        client = RemoteClient(f"tcp://127.0.0.1:{port}")
+        waiting = asyncio.create_task(client.generate("g", [1], SamplingParams(max_tokens=1)))
+        assert await wait_for(lambda: "generate" in seen, 10)
+        t0 = time.monotonic()
+        await client.close()
+        assert time.monotonic() - t0 < 5  # its abort_all went unanswered: 0.3 s, not call_timeout_s (60 s)
+        assert await wait_for(lambda: "abort_all" in seen, 5)
+        with pytest.raises(FleetClosed):
+            await waiting
+    finally:
+        server.cancel()
+        mute.close(0)
+        ctx.term()
 
 
 async def test_closing_a_remote_client_before_its_hello_is_answered_ends_its_calls_with_fleet_closed():
