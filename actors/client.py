@@ -631,8 +631,10 @@ class RemoteClient(_Base):
             if (sinks or self._given_up) and self._up and self._lsock is not None:
                 await self._abort_mine()
         finally:
-            self._shut()
-            self._closing.set_result(None)
+            try:
+                self._shut()
+            finally:
+                self._closing.set_result(None)
 
     async def _abort_mine(self) -> None:
         """Best effort: an abort_all for this client's requests, and a short wait for its answer

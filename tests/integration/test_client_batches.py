@@ -325,7 +325,7 @@ async def test_closing_a_remote_client_aborts_its_own_requests_only_even_one_can
                 asyncio.create_task(client.generate("cancelled", [1], params))]
         assert await wait_for(lambda: len(sup.table) == 4, 10)
         mine[1].cancel()  # its abort is posted; close() comes in the same loop iteration
-        await client.close()
+        await asyncio.gather(client.close(), client.close())  # the second waits for the first
         assert await wait_for(lambda: len(sup.table) == 2, 10)
         assert all(not t.done() for t in theirs)  # the other clients' requests run on
         assert sorted(e.origin == "local" for e in sup.table) == [False, True]
