@@ -126,7 +126,9 @@ request in flight, ``paced_loop_us_per_req_{n}w`` x workers x ``--paced-running`
 meanwhile, results, new requests, progress reports and heartbeats; the most that results of a
 round which finish together can queue for, one after the other), ``paced_loop_wait_{n}w``
 (as ``supervisor_loop_wait_{n}w``), ``paced_rps_scaling_max``,
-``paced_vs_capacity_min``, ``paced_loop_cpu_max``, ``paced_bottleneck``,
+``paced_vs_capacity_min``, ``paced_loop_cpu_max`` (the busiest loop of every engine-paced flood: a
+batch per worker, two, and the paced ranks), ``paced_loop_cpu_max_run`` (which flood that was),
+``paced_bottleneck``,
 ``paced_loop_ceiling_workers`` (workers of this kind one loop could feed); queued:
 ``paced_queued_rps_{n}w`` (from the first round's middle to the last's; the median of the rounds),
 ``paced_queued_vs_capacity_{n}w``, ``paced_queued_loop_cpu_{n}w`` (the whole flood),
@@ -952,7 +954,6 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
                   "paced_worker_nice": p["worker_nice"], "paced_report_interval_s": p["report_interval_s"]})
         m["paced_rps_scaling_max"] = paced[top]["rps"] / paced[low]["rps"]
         m["paced_vs_capacity_min"] = min(f["rps"] / f["capacity"] for f in paced.values())
-        m["paced_loop_cpu_max"] = max(f["cpu"]["loop"] for f in paced.values())
         m["paced_bottleneck"] = paced[top]["bottleneck"]
         m["paced_queued_batches"], m["paced_queued_rounds"] = PACED_QUEUED, queued_paced_rounds(p)
         m["paced_queued_vs_capacity_min"] = min(f["queued"]["rps"] / f["capacity"] for f in paced.values())
@@ -967,6 +968,15 @@ def metrics(sizes: dict, fleets: dict, ranks: dict, clients: dict, paced: dict, 
             m[f"paced_ranks_rps_{k}r"], m[f"paced_ranks_vs_capacity_{k}r"] = f["rps"], f["rps"] / f["capacity"]
             m[f"paced_ranks_outside_mean_ms_{k}r"] = f["outside"]["mean"] / 1e3
             m[f"paced_ranks_loop_cpu_max_{k}r"] = f["cpu"]["loop"]
+    if paced:
+        # The busiest loop of every engine-paced flood, one batch or two per worker, one rank or
+        # several: the goal's figure, as no_model_loop_cpu_max is for the floods without a model.
+        loops = {f"a batch per worker, {n} workers": f["cpu"]["loop"] for n, f in paced.items()}
+        loops.update({f"2 batches per worker, {n} workers": f["queued"]["cpu"]["loop"] for n, f in paced.items()})
+        if paced_ranks:
+            loops.update({f"{k} ranks (the busiest)": f["cpu"]["loop"] for k, f in paced_ranks["by_ranks"].items()})
+        busiest = max(loops, key=loops.get)
+        m["paced_loop_cpu_max"], m["paced_loop_cpu_max_run"] = loops[busiest], busiest
     if running:
         r = sizes["running"]
         m["running_requests"], m["running_workers"] = r["workers"] * r["per_worker"], r["workers"]

@@ -92,6 +92,10 @@ def test_quick_scaling_run_writes_a_report_with_a_table_plot_and_bottleneck(tmp_
         # and the rate is the lanes over their cycle, so the time outside is less than the cycle.
         assert 0 <= metrics[f"paced_ranks_outside_mean_ms_{k}r"] < 80 / metrics[f"paced_ranks_vs_capacity_{k}r"]
         assert 0 < metrics[f"paced_ranks_loop_cpu_max_{k}r"] <= 1.05
+    # The goal's figure is the busiest loop of all those engine-paced floods, and says which it was.
+    paced_loops = [metrics[f"{kind}_{n}w"] for kind in ("paced_loop_cpu", "paced_queued_loop_cpu") for n in (1, 2)]
+    paced_loops += [metrics[f"paced_ranks_loop_cpu_max_{k}r"] for k in (1, 2)]
+    assert metrics["paced_loop_cpu_max"] == max(paced_loops) and metrics["paced_loop_cpu_max_run"]
     # 256 requests running, none finishing: reported every 0.05 s, ten times as many reports
     # reach the loop as every 0.5 s, and it spends more on them.
     assert metrics["running_requests"] == 256 and metrics["running_workers"] == 2
