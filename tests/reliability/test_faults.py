@@ -232,6 +232,8 @@ async def test_with_no_worker_left_to_restart_waiting_requests_fail_and_new_ones
             await asyncio.wait_for(running, 10)  # it would wait to resume forever
         assert "code -9" in str(info.value) and info.value.request_id == "r"
         assert len(sup.table) == 0
+        # queued to go on when its worker died, it counts as resumed (PROTOCOL.md 6.5), and failed
+        assert sup.counters["resumed"] == 1 and sup.counters["failed"] == 1
         with pytest.raises(FleetError):
             await asyncio.wait_for(client.generate("s", [3], SamplingParams(max_tokens=2)), 10)
         async with RemoteClient(sup.frontend_address, call_timeout_s=10) as remote:  # the same over the wire
