@@ -162,6 +162,15 @@ class _Base:
     def on_cancel(self, request_id: str) -> None:
         """Called when the caller's task was cancelled (or timed out) before the result."""
 
+    async def _sent(self, sending: Awaitable[None], timeout: float | None, request_id: str) -> None:
+        """Wait (``_before``) for a request's submission that had to wait (a RemoteClient's hello).
+        A cancel or timeout that lands the moment it went out aborts it, not left running."""
+        try:
+            await _before(sending, timeout, request_id)
+        except BaseException:
+            self._cancel(request_id)
+            raise
+
     async def generate(
         self,
         request_id: str,
@@ -196,11 +205,7 @@ class _Base:
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), sink, False, session_id,
                                resume)
         if sending is not None:
-            try:
-                await _before(sending, timeout, request_id)
-            except BaseException:  # (a cancel or timeout the moment it was sent: aborted, not left running)
-                self._cancel(request_id)
-                raise
+            await self._sent(sending, timeout, request_id)
         self.on_dispatch(request_id)
         done = False
         try:
@@ -418,11 +423,7 @@ class _Base:
         sending = self._submit(request_id, _prompt(prompt_ids), _params(sampling_params), queue.put_nowait,
                                stream, session_id, resume)
         if sending is not None:
-            try:
-                await _before(sending, timeout, request_id)
-            except BaseException:  # (a cancel or timeout the moment it was sent: aborted, not left running)
-                self._cancel(request_id)
-                raise
+            await self._sent(sending, timeout, request_id)
         self.on_dispatch(request_id)
         done = False
         # One timer for the whole request, which queues the end of its time behind what came
@@ -647,13 +648,10 @@ class RemoteClient(_Base):
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._calls[msg.id] = fut
         try:
-            if self._batch:
-                self._lsock.post(None, codec.encode(msg))
-            else:
-                self._lsock.send([codec.encode(msg)])
+            self._post_on(self._lsock, codec.encode(msg))  # (_post would refuse: the client is closing)
             data = await asyncio.wait_for(fut, min(self.call_timeout_s, CLOSE_ABORT_S))
             logger.debug("closing: aborted %d requests on the fleet", len(data.get("request_ids", [])))
-        except (RolloutError, zmq.ZMQError, asyncio.TimeoutError) as exc:  # the fleet went, or is too slow
+        except (RolloutError, asyncio.TimeoutError) as exc:  # the fleet went, or is too slow
             logger.info("closing: could not abort this client's requests on the fleet at %s: %s", self.address,
                         exc or type(exc).__name__)
         finally:
@@ -758,7 +756,9 @@ class RemoteClient(_Base):
                                  "a client", code="too_large", request_id=request_id)
 
     def _post(self, encoded: bytes) -> None:
-        sock = self._socket()
+        self._post_on(self._socket(), encoded)
+
+    def _post_on(self, sock: LoopSocket, encoded: bytes) -> None:
         try:
             if self._batch:
                 sock.post(None, encoded)
