@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import secrets
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
@@ -565,16 +566,28 @@ class RemoteClient(_Base):
     A client belongs to the event loop it is first used on: a call from another loop (another
     thread, a second ``asyncio.run``) raises RuntimeError before anything is sent. Make one
     client per loop.
+
+    With ``lease_s`` the client holds a lease on the fleet (``hello`` with ``lease_s``,
+    PROTOCOL.md 4.1): it says ``hello`` again every ``lease_s / 3`` seconds from then on, and when
+    the fleet hears nothing from it for ``lease_s`` (its process was killed, its host or network
+    went away, or its event loop was blocked that long) the fleet aborts the requests it has
+    running. Without one, a client killed before it could close leaves its requests running to
+    their end, their answers read by no one.
     """
 
     def __init__(self, address: str, *, curve_keys: tuple[bytes, bytes, bytes] | None = None,
-                 call_timeout_s: float = 60.0, request_timeout_s: float | None = 3600.0):
+                 call_timeout_s: float = 60.0, request_timeout_s: float | None = 3600.0,
+                 lease_s: float | None = None):
         """``request_timeout_s`` bounds generate/stream calls made without a timeout: over a
         socket a lost answer (the fleet died, the network broke) would otherwise be waited for
         forever. ``call_timeout_s`` bounds abort/stats/control and the first ``hello``.
         ``curve_keys``: (client public, client secret, server public), for a fleet that
         requires CurveZMQ keys; ``rollfleet.transport.auth.load_client_keys(DIR)`` reads them
-        from a directory that ``rollfleet keys DIR`` made."""
+        from a directory that ``rollfleet keys DIR`` made. ``lease_s``: see the class; None (the
+        default) holds none, a fleet that predates leases holds none either (logged)."""
+        if lease_s is not None:
+            Hello(id="", lease_s=lease_s)  # ValueError now for a lease the fleet would refuse
+        self.lease_s = lease_s
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.default_timeout_s = request_timeout_s
@@ -602,6 +615,7 @@ class RemoteClient(_Base):
         self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._hello: asyncio.Task[None] | None = None
+        self._keep_alive: asyncio.Task[None] | None = None  # with lease_s: hello again every lease_s / 3
         self._batch = False  # the fleet takes batches from this client
         self._max_send: int | None = None  # the largest message the fleet reads (its hello says)
         self._closed = False
@@ -661,6 +675,8 @@ class RemoteClient(_Base):
         self._closed = True
         if self._hello is not None and not self._hello.done():
             self._hello.cancel()
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
         self._sock.disable_monitor()
         if self._monitor is not None:
             self._monitor.close(linger=0)
@@ -769,17 +785,42 @@ class RemoteClient(_Base):
 
     async def _say_hello(self) -> None:
         try:
-            data = await self._call(Hello(id=f"h{next(self._ids)}", batch=True))
+            data = await self._call(Hello(id=f"h{next(self._ids)}", batch=True, lease_s=self.lease_s))
         except RolloutError as exc:
             if exc.code != "unknown_type":  # a fleet from before hello: no batches
                 raise
+            if self.lease_s is not None:
+                logger.warning("the fleet at %s predates hello: it holds no lease for this client", self.address)
             return
         self._batch = data.get("batch") is True
+        if self.lease_s is not None:
+            if data.get("lease_s") is None:
+                logger.warning("the fleet at %s holds no lease for this client: it predates leases", self.address)
+            elif self._keep_alive is None:
+                self._keep_alive = asyncio.ensure_future(self._keep_lease(weakref.ref(self), self.lease_s))
         limit = data.get("max_message_bytes")
         if type(limit) is int and limit > 0:
             self._max_send = limit
             # A batch is one message to the fleet: it must fit too (its own header is < 64 bytes).
             self._socket().batch_bytes = max(1, min(BATCH_BYTES, limit - 64))
+
+    @staticmethod
+    async def _keep_lease(ref: weakref.ref["RemoteClient"], lease_s: float) -> None:
+        """Say hello again every lease_s / 3 seconds, its answer unread: any message renews the
+        lease, and one that lapsed (this loop was held too long) is taken anew. Holds the client
+        weakly: one dropped without close() is collected, and its lease then runs out."""
+        # The empty id: no request has it, so its answer, which nothing waits for, meets no caller.
+        encoded = codec.encode(Hello(id="", batch=True, lease_s=lease_s))
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            client = ref()
+            if client is None or client._closed:
+                return
+            # Not while a first hello (after a reconnection) is on its way: it takes the lease then.
+            if client._closing is None and client._hello is not None and client._hello.done():
+                with contextlib.suppress(FleetClosed):
+                    client._post(encoded)
+            del client
 
     def _on_own_loop(self) -> None:
         if self._socket()._loop is not asyncio.get_running_loop():

@@ -124,6 +124,9 @@ client sending stats as fast as it can held every other client's requests back b
 # Clients remembered as taking batches (hello with batch): the oldest are forgotten past this
 # many, and get their messages one to a frame again, which they read as well.
 MAX_BATCH_CLIENTS = 1 << 16
+# Clients holding a lease (hello with lease_s): past this many, the oldest hello's lease is
+# dropped (that client's requests then run on as if it had asked for none).
+MAX_LEASES = 1 << 16
 # A client's batch holds at most this many messages (rollfleet sends 32): one frame may not hold
 # the loop for seconds. A bigger one is refused whole.
 MAX_CLIENT_BATCH = 1024
@@ -211,6 +214,10 @@ class Supervisor:
         self._frontend_file: tuple[str, int] | None = None  # an ipc:// frontend's socket file, inode
         self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
         self._client_calls: dict[bytes, int] = {}  # stats and control calls of each client not answered yet
+        # identity -> [lease_s, deadline (time.monotonic())] of the clients that said hello with
+        # lease_s, the oldest hello first; any frame of the client moves its deadline on
+        self._leases: dict[bytes, list[float]] = {}
+        self._leases_expired = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
@@ -681,6 +688,8 @@ class Supervisor:
                 # while the supervisor could listen, so that healthy workers are not killed for it.
                 for handle in self.workers.values():
                     handle.last_heartbeat = min(now, handle.last_heartbeat + held)
+                for lease in self._leases.values():  # nor the clients' silence (their frames wait unread)
+                    lease[1] += held
                 self._stall_seen.clear()  # nor are requests stalled for it: progress is judged afresh
             self._tasks = [t for t in self._tasks if not t.done()]
             for handle in list(self.workers.values()):
@@ -691,9 +700,22 @@ class Supervisor:
                     handle.proc.kill()  # the pidfd fires and _on_process_exit follows
             if self.config.stall_timeout_s is not None:
                 self._check_stalls(now)
+            if self._leases:
+                self._expire_leases(now)
             self._drops.flush()
             if self._metrics is not None:
                 self._metrics.update(await self.stats(engines=False))
+
+    def _expire_leases(self, now: float) -> None:
+        """Abort the requests of each client whose lease ran out (nothing heard from it for its
+        lease_s), as its abort_all would, and forget the lease (PROTOCOL.md 4.1 ``hello``)."""
+        expired = [identity for identity, (_, deadline) in self._leases.items() if deadline <= now]
+        for identity in expired:
+            lease_s = self._leases.pop(identity)[0]
+            self._leases_expired += 1
+            aborted = self.abort_all(identity.hex())
+            logger.warning("client %s sent nothing for its lease of %gs: aborted its %d requests",
+                           identity.hex(), lease_s, len(aborted))
 
     def _check_stalls(self, now: float) -> None:
         """Kill workers whose engine stopped producing tokens for a running request.
@@ -1467,6 +1489,8 @@ class Supervisor:
             "engine": self.config.engine,
             "host": socket.gethostname(),
             **{f"num_{k}": v for k, v in self.counters.items()},
+            "num_leases": len(self._leases),
+            "num_leases_expired": self._leases_expired,
             "dropped_frames": dict(self._drops.counts),
         }
 
@@ -1507,6 +1531,10 @@ class Supervisor:
             self._drops.log("client_empty", logging.WARNING, "dropped an empty message on the client socket")
             return
         identity = frames[0]
+        if self._leases:
+            lease = self._leases.get(identity)
+            if lease is not None:  # any frame says the client is there, a bad one included
+                lease[1] = time.monotonic() + lease[0]
         try:
             msg = codec.decode(frames[1:2], self._client_max_bytes, accept=CLIENT_TYPES)
         except codec.DecodeError as exc:
@@ -1564,8 +1592,14 @@ class Supervisor:
                 self._batch_clients[identity] = None  # the newest last
                 if len(self._batch_clients) > MAX_BATCH_CLIENTS:
                     del self._batch_clients[next(iter(self._batch_clients))]
-            self._reply_client(identity, Reply(id=msg.id, data={
-                "batch": msg.batch, "max_message_bytes": self._client_max_bytes}))
+            data: dict[str, Any] = {"batch": msg.batch, "max_message_bytes": self._client_max_bytes}
+            self._leases.pop(identity, None)
+            if msg.lease_s is not None:
+                self._leases[identity] = [float(msg.lease_s), time.monotonic() + msg.lease_s]  # the newest last
+                if len(self._leases) > MAX_LEASES:
+                    del self._leases[next(iter(self._leases))]
+                data["lease_s"] = float(msg.lease_s)  # (only then: a reply without it holds none)
+            self._reply_client(identity, Reply(id=msg.id, data=data))
         else:
             self._reply_client(identity, Error(id=msg.id, code="unknown_type",
                                                message=f"clients may not send {msg.TYPE.value!r}"))

@@ -22,6 +22,7 @@ from ..fielddoc import document_fields
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "MAX_LEASE_S",
     "MsgType",
     "FinishReason",
     "SamplingParams",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+
+MAX_LEASE_S = 86_400.0
+"""The longest lease a client may ask for in its ``hello`` (a day)."""
 
 
 class MsgType(str, enum.Enum):
@@ -311,6 +315,7 @@ WIRE_TYPES: dict[str, tuple[frozenset[type], Any]] = {
     "str | None": (frozenset({str, _NONE}), None),
     "int | None": (frozenset({int, _NONE}), None),
     "bool | None": (frozenset({bool, _NONE}), None),
+    "float | None": (frozenset({int, float, _NONE}), None),
     "list[int]": (frozenset({list}), _all_ints),
     "list[str]": (frozenset({list}), _all_strs),
     "list[float] | None": (frozenset({list, _NONE}), _all_floats),
@@ -554,11 +559,23 @@ class Batch(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(Message):
     """A client says what it can take (optional, any time); answered by ``reply`` with
-    ``data: {"batch": bool}``, whether batches now flow both ways on this connection."""
+    ``data: {"batch": bool, "max_message_bytes": int}`` (whether batches now flow both ways on
+    this connection, and the largest header the supervisor reads from a client), plus
+    ``"lease_s"`` when it asked for a lease."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
     batch: bool = False
     """The client decodes ``batch`` messages: the supervisor may then pack what it sends it."""
+    lease_s: float | None = None
+    """Hold a lease: when the supervisor hears nothing from this client for this long, it
+    aborts the client's requests (a client process that was killed leaves none running).
+    None: no lease (and a lease held before is dropped)."""
+
+    def __post_init__(self) -> None:
+        lease = self.lease_s
+        if lease is not None and (type(lease) not in (int, float) or not 0 < lease <= MAX_LEASE_S):
+            raise ValueError(f"field 'lease_s' must be a number of seconds > 0 and <= {MAX_LEASE_S:g}, or None; "
+                             f"got {lease!r}")
 
 
 MESSAGE_CLASSES: dict[str, type[Message]] = {

@@ -102,6 +102,8 @@ VECTORS: list[Message] = [
             "num_failed": 0,
             "num_resumed": 5,
             "num_cancelled": 1,
+            "num_leases": 3,
+            "num_leases_expired": 1,
             "dropped_frames": {"bad_client_frame": 1},
         },
     ),
@@ -151,7 +153,7 @@ VECTORS: list[Message] = [
          "timings": {"worker": 0.0625, "first_token": 0.03125}, "weight_version_starts": []},
     ]),
     # A client that reads batches, before its first request.
-    Hello(id="hello-1", batch=True),
+    Hello(id="hello-1", batch=True, lease_s=30.0),
 ]
 
 
