@@ -64,10 +64,10 @@ async def start_client(address: str, lease: str, tmp_path) -> subprocess.Popen: 
 
 async def test_a_client_process_killed_with_a_lease_leaves_nothing_running_one_without_a_lease_does(tmp_path):
     async with echo_fleet() as sup:
-        leased = await start_client(sup.frontend_address, "1.0", tmp_path)
+        leased = await start_client(sup.frontend_address, "2.0", tmp_path)
         try:
             assert await wait_for(lambda: len(sup.table) == 3, 10)
-            await asyncio.sleep(2.5)  # over two leases: its keep-alive hellos hold it
+            await asyncio.sleep(4.5)  # over two leases: its keep-alive hellos hold it
             assert len(sup.table) == 3 and (await sup.stats(engines=False))["num_leases"] == 1
         finally:
             leased.kill()
@@ -90,8 +90,8 @@ async def test_a_client_process_killed_with_a_lease_leaves_nothing_running_one_w
 
 async def test_a_remote_client_keeps_its_lease_while_its_requests_run_for_many_leases():
     async with echo_fleet() as sup:
-        async with RemoteClient(sup.frontend_address, lease_s=0.6) as client:
-            # 60 tokens at 20 tokens/s: 3 s, five leases; the keep-alive hellos renew it
+        async with RemoteClient(sup.frontend_address, lease_s=1.0) as client:
+            # 60 tokens at 20 tokens/s: 3 s, three leases; the keep-alive hellos renew it
             result = await client.generate("long", [3], SamplingParams(max_tokens=60))
             assert result.finish_reason == "length" and len(result.token_ids) == 60
             stats = await client.stats()
@@ -103,10 +103,10 @@ async def test_a_remote_client_keeps_its_lease_while_its_requests_run_for_many_l
 async def test_a_remote_client_whose_loop_was_held_past_its_lease_gets_its_requests_aborted_then_a_new_lease():
     # The fleet runs on a loop of its own, which goes on while this one is held.
     with SyncClient(FleetConfig(engine="echo", num_workers=1, engine_options={"tokens_per_s": 20})) as fleet:
-        async with RemoteClient(fleet.frontend_address, lease_s=0.5) as client:
+        async with RemoteClient(fleet.frontend_address, lease_s=1.0) as client:
             call = asyncio.create_task(client.generate("long", [1], SamplingParams(max_tokens=LONG)))
             assert await wait_for(lambda: fleet.stats()["num_inflight"] == 1, 10)
-            time.sleep(2.5)  # this loop is held: no keep-alive goes out
+            time.sleep(3.5)  # this loop is held: no keep-alive goes out
             result = await asyncio.wait_for(call, 10)
             assert result.finish_reason == "abort" and 0 < len(result.token_ids) < LONG
             assert fleet.stats()["num_leases_expired"] == 1
@@ -156,7 +156,7 @@ async def test_any_frame_of_the_client_renews_its_lease_a_bad_one_included():
     async with echo_fleet() as sup:
         raw = RawClient(sup.frontend_address)
         try:
-            await raw.send(codec.encode(Hello(id="h", lease_s=1.0)))
+            await raw.send(codec.encode(Hello(id="h", lease_s=1.5)))
             await raw.answers({"h"})
             await raw.send(generate("r", [1], LONG))
             assert await wait_for(lambda: len(sup.table) == 1, 10)
