@@ -1,9 +1,14 @@
-"""Waiting helpers shared by the test folders."""
+"""Helpers shared by the test folders: waiting, and a stand-in fleet frontend."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
 
 
 async def wait_for(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:  # type: ignore[no-untyped-def]
@@ -25,3 +30,32 @@ def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
             return True
         time.sleep(0.05)
     return cond()
+
+
+@contextlib.asynccontextmanager
+async def stand_in_fleet(answer: Callable[[bytes], bytes | None]) -> AsyncIterator[str]:
+    """A stand-in for a fleet's frontend, for clients tested against a peer that behaves in a
+    way no real fleet does (one from before a protocol feature, one that stops answering): a
+    ROUTER on a random local TCP port. Each frame a client sends is given to ``answer``, which
+    returns the frame to send back to that client or None for no answer. Yields its address."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        while True:
+            identity, frame = await router.recv_multipart()
+            reply = answer(frame)
+            if reply is not None:
+                await router.send_multipart([identity, reply])
+
+    task = asyncio.create_task(serve())
+    try:
+        yield f"tcp://127.0.0.1:{port}"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        router.close(0)
+        ctx.term()

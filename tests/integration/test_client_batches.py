@@ -26,7 +26,7 @@ from rollfleet.errors import DuplicateRequest, FleetClosed, RequestTimeout
 from rollfleet.transport import codec
 from rollfleet.transport.messages import Control, Generate, Hello, SamplingParams
 
-from ..helpers import wait_for
+from ..helpers import stand_in_fleet, wait_for
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -208,69 +208,45 @@ async def test_a_batch_client_that_goes_away_costs_the_fleet_nothing():
 async def test_remote_client_talks_to_a_fleet_without_hello_one_message_to_a_frame():
     """The other side is a stand-in for a fleet from before ``hello``: a ROUTER that answers
     hello, and any batch, with error unknown_type, and echoes each generate with a result."""
-    ctx = zmq.asyncio.Context()
-    server = ctx.socket(zmq.ROUTER)
-    server.setsockopt(zmq.LINGER, 0)
-    port = server.bind_to_random_port("tcp://127.0.0.1")
     seen: list[str] = []
 
-    async def serve() -> None:
-        while True:
-            identity, frame = await server.recv_multipart()
-            msg = msgpack.unpackb(frame, raw=False)
-            seen.append(msg["type"])
-            if msg["type"] == "generate":
-                answer = {"v": 1, "type": "result", "id": msg["id"], "token_ids": msg["prompt_ids"],
-                          "finish_reason": "length"}
-            else:
-                answer = {"v": 1, "type": "error", "id": msg["id"], "code": "unknown_type",
-                          "message": f"clients may not send {msg['type']!r}"}
-            await server.send_multipart([identity, msgpack.packb(answer)])
+    def answer(frame: bytes) -> bytes:
+        msg = msgpack.unpackb(frame, raw=False)
+        seen.append(msg["type"])
+        if msg["type"] == "generate":
+            return msgpack.packb({"v": 1, "type": "result", "id": msg["id"], "token_ids": msg["prompt_ids"],
+                                  "finish_reason": "length"})
+        return msgpack.packb({"v": 1, "type": "error", "id": msg["id"], "code": "unknown_type",
+                              "message": f"clients may not send {msg['type']!r}"})
 
-    task = asyncio.create_task(serve())
-    try:
-        async with RemoteClient(f"tcp://127.0.0.1:{port}") as client:
+    async with stand_in_fleet(answer) as address:
+        async with RemoteClient(address) as client:
             results = await asyncio.gather(*(client.generate(f"g{i}", [i], SamplingParams(max_tokens=1))
                                              for i in range(100)))
             assert [r.token_ids for r in results] == [[i] for i in range(100)]
         assert seen == ["hello"] + ["generate"] * 100  # no batch was ever sent
-    finally:
-        task.cancel()
-        server.close(0)
-        ctx.term()
 
 
 async def test_remote_client_reads_an_answer_larger_than_the_codecs_default_header_limit():
     """A stand-in fleet (a ROUTER) answers a generate with a result of 6 million tokens, some
     18 MB: more than codec.DEFAULT_MAX_HEADER_BYTES, well within the socket's message size."""
-    ctx = zmq.asyncio.Context()
-    server = ctx.socket(zmq.ROUTER)
-    server.setsockopt(zmq.LINGER, 0)
-    port = server.bind_to_random_port("tcp://127.0.0.1")
     tokens = [30000 + i % 1000 for i in range(6_000_000)]  # 3 bytes each in msgpack
+    sizes: list[int] = []
 
-    async def serve() -> None:
-        while True:
-            identity, frame = await server.recv_multipart()
-            msg = msgpack.unpackb(frame, raw=False)
-            if msg["type"] == "hello":
-                answer = {"v": 1, "type": "reply", "id": msg["id"], "data": {"batch": False}}
-            else:
-                answer = {"v": 1, "type": "result", "id": msg["id"], "token_ids": tokens, "finish_reason": "length"}
-            frame = msgpack.packb(answer)
-            if msg["type"] != "hello":
-                assert len(frame) > codec.DEFAULT_MAX_HEADER_BYTES
-            await server.send_multipart([identity, frame])
+    def answer(frame: bytes) -> bytes:
+        msg = msgpack.unpackb(frame, raw=False)
+        if msg["type"] == "hello":
+            return msgpack.packb({"v": 1, "type": "reply", "id": msg["id"], "data": {"batch": False}})
+        reply = msgpack.packb({"v": 1, "type": "result", "id": msg["id"], "token_ids": tokens,
+                               "finish_reason": "length"})
+        sizes.append(len(reply))
+        return reply
 
-    task = asyncio.create_task(serve())
-    try:
-        async with RemoteClient(f"tcp://127.0.0.1:{port}") as client:
+    async with stand_in_fleet(answer) as address:
+        async with RemoteClient(address) as client:
             result = await client.generate("long", [1], SamplingParams(max_tokens=6_000_000), timeout=60)
             assert result.token_ids == tokens
-    finally:
-        task.cancel()
-        server.close(0)
-        ctx.term()
+    assert len(sizes) == 1 and sizes[0] > codec.DEFAULT_MAX_HEADER_BYTES
 
 async def test_remote_client_keeps_working_when_the_fleet_restarts_and_forgets_its_hello():
     with socket.socket() as probe:  # a free port both fleets bind in turn
@@ -341,23 +317,15 @@ async def test_closing_a_remote_client_waits_at_most_close_abort_s_for_a_fleet_t
     from rollfleet.transport.messages import Reply
 
     monkeypatch.setattr(client_module, "CLOSE_ABORT_S", 0.3)
-    ctx = zmq.asyncio.Context()
-    mute = ctx.socket(zmq.ROUTER)
-    mute.setsockopt(zmq.LINGER, 0)
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
     seen: list[str] = []
 
-    async def serve() -> None:  # answers hello, then reads and answers nothing more
-        while True:
-            identity, frame = await mute.recv_multipart()
-            msg = codec.decode([frame])
-            seen.append(msg.TYPE.value)
-            if isinstance(msg, Hello):
-                await mute.send_multipart([identity, codec.encode(Reply(id=msg.id, data={"batch": False}))])
+    def answer(frame: bytes) -> bytes | None:  # answers hello, then reads and answers nothing more
+        msg = codec.decode([frame])
+        seen.append(msg.TYPE.value)
+        return codec.encode(Reply(id=msg.id, data={"batch": False})) if isinstance(msg, Hello) else None
 
-    server = asyncio.create_task(serve())
-    try:
-        client = RemoteClient(f"tcp://127.0.0.1:{port}")
+    async with stand_in_fleet(answer) as address:
+        client = RemoteClient(address)
         waiting = asyncio.create_task(client.generate("g", [1], SamplingParams(max_tokens=1)))
         assert await wait_for(lambda: "generate" in seen, 10)
         t0 = time.monotonic()
@@ -366,10 +334,6 @@ async def test_closing_a_remote_client_waits_at_most_close_abort_s_for_a_fleet_t
         assert await wait_for(lambda: "abort_all" in seen, 5)
         with pytest.raises(FleetClosed):
             await waiting
-    finally:
-        server.cancel()
-        mute.close(0)
-        ctx.term()
 
 
 async def test_closing_a_remote_client_before_its_hello_is_answered_ends_its_calls_with_fleet_closed():
@@ -495,25 +459,20 @@ async def test_a_remote_batch_whose_hello_fails_tries_it_once_and_each_prompt_fa
     # A fleet that never answers the hello: concurrent generate calls share the one hello and
     # its failure; a batch with return_exceptions tried a new one for each prompt in turn (40
     # prompts: 40 call timeouts, a batch of 10k against a dead address hung for days).
-    ctx = zmq.asyncio.Context()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
-        async with RemoteClient(f"tcp://127.0.0.1:{port}", call_timeout_s=0.5) as client:
+    seen: list[str] = []
+
+    def answer(frame: bytes) -> None:  # reads, and answers nothing
+        seen.append(msgpack.unpackb(frame, raw=False)["type"])
+
+    async with stand_in_fleet(answer) as address:
+        async with RemoteClient(address, call_timeout_s=0.5) as client:
             kept = await asyncio.wait_for(client.generate_batch([[i + 1] for i in range(40)], return_exceptions=True),
                                           15)
             assert len(kept) == 40 and all(isinstance(k, RequestTimeout) for k in kept)
             with pytest.raises(RequestTimeout, match="hello"):
                 await asyncio.wait_for(client.generate_batch([[1], [2]]), 15)
-        hellos = []
-        while await silent.poll(200):
-            frames = await silent.recv_multipart()
-            hellos.append(msgpack.unpackb(frames[1], raw=False)["type"])
-        assert hellos == ["hello", "hello"]  # one for each batch, and nothing else was sent
-    finally:
-        silent.close(0)
-        ctx.term()
+        await asyncio.sleep(0.3)  # anything the closed client still sent has come
+        assert seen == ["hello", "hello"]  # one for each batch, and nothing else was sent
 
 
 async def test_a_remote_batch_cancelled_before_its_hello_failed_leaves_no_task_exception_unretrieved(caplog):
@@ -521,13 +480,9 @@ async def test_a_remote_batch_cancelled_before_its_hello_failed_leaves_no_task_e
     # was logged when the client was collected.
     gc.collect()  # what earlier tests left for the collector is logged now, not below
     caplog.clear()
-    ctx = zmq.asyncio.Context()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    try:
+    async with stand_in_fleet(lambda frame: None) as address:  # a fleet that answers nothing
         for call in ("generate_batch", "generate"):
-            client = RemoteClient(f"tcp://127.0.0.1:{port}", call_timeout_s=0.2)
+            client = RemoteClient(address, call_timeout_s=0.2)
             task = asyncio.create_task(client.generate_batch([[1], [2]]) if call == "generate_batch"
                                        else client.generate("g", [1]))
             assert await wait_for(lambda: client._hello is not None, 5)
@@ -540,9 +495,6 @@ async def test_a_remote_batch_cancelled_before_its_hello_failed_leaves_no_task_e
             del client, task, hello
             gc.collect()
         assert "never retrieved" not in caplog.text
-    finally:
-        silent.close(0)
-        ctx.term()
 
 
 async def test_dropped_frames_count_an_oversized_batch_with_an_unpackable_message_as_a_bad_frame_not_an_unknown_op():

@@ -17,15 +17,13 @@ import time
 
 import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor, SyncClient
 from rollfleet.transport import codec
 from rollfleet.errors import RolloutError
-from rollfleet.transport.messages import Error, Hello, Message, Reply, SamplingParams
+from rollfleet.transport.messages import Error, Hello, Reply, SamplingParams
 
-from ..helpers import wait_for
+from ..helpers import stand_in_fleet, wait_for
 from .test_client_batches import RawClient, generate
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -178,33 +176,21 @@ def test_a_remote_client_refuses_a_lease_the_fleet_would_refuse():
 
 async def test_a_remote_client_says_so_when_the_fleet_holds_no_lease(caplog):
     # A fleet from before leases answers hello without the key (it ignores the field).
-    ctx = zmq.asyncio.Context()
-    old = ctx.socket(zmq.ROUTER)
-    old.setsockopt(zmq.LINGER, 0)
-    port = old.bind_to_random_port("tcp://127.0.0.1")
     hellos: list[float] = []
 
-    async def serve() -> None:
-        while True:
-            identity, frame = await old.recv_multipart()
-            msg = codec.decode([frame])
-            if isinstance(msg, Hello):
-                hellos.append(time.monotonic())
-                answer: Message = Reply(id=msg.id, data={"batch": False})
-            else:  # (a generate)
-                answer = Error(id=msg.id, code="engine_error", message="no engine here", request_id=msg.id)
-            await old.send_multipart([identity, codec.encode(answer)])
+    def answer(frame: bytes) -> bytes:
+        msg = codec.decode([frame])
+        if isinstance(msg, Hello):
+            hellos.append(time.monotonic())
+            return codec.encode(Reply(id=msg.id, data={"batch": False}))
+        # (a generate)
+        return codec.encode(Error(id=msg.id, code="engine_error", message="no engine here", request_id=msg.id))
 
-    server = asyncio.create_task(serve())
-    try:
+    async with stand_in_fleet(answer) as address:
         with caplog.at_level(logging.WARNING, logger="rollfleet"):
-            async with RemoteClient(f"tcp://127.0.0.1:{port}", lease_s=0.3) as client:
+            async with RemoteClient(address, lease_s=0.3) as client:
                 with pytest.raises(RolloutError, match="no engine here"):  # after its hello
                     await client.generate("g", [1], SamplingParams(max_tokens=1))
                 await asyncio.sleep(1.0)  # three keep-alives' time: none goes to a fleet that holds no lease
         assert len(hellos) == 1
         assert any("holds no lease" in r.getMessage() for r in caplog.records)
-    finally:
-        server.cancel()
-        old.close(0)
-        ctx.term()
