@@ -115,6 +115,7 @@ _ABORT = FinishReason.ABORT.value
 _LENGTH = FinishReason.LENGTH.value
 _FOREVER = float("inf")
 _NUMBER = (float, int)
+_build_result = codec.builder(Result)  # Result(...) from its id and fields in class order, unchecked
 
 MAX_CALLS_PER_CLIENT = 64
 """Most stats and control calls of one client waiting for their answer; more are answered
@@ -1253,8 +1254,8 @@ class Supervisor:
             logprobs = []  # asked for, and no token came: one per token, none
         # = Result(id=, token_ids=, finish_reason=, logprobs=, weight_versions=, num_preemptions=,
         #          worker=, timings=, weight_version_starts=), made without __init__'s per-field work
-        entry.sink(codec.build(Result, entry.request_id, entry.token_ids, finish_reason, logprobs,
-                               entry.versions, entry.num_preemptions, worker, timings, entry.version_starts))
+        entry.sink(_build_result(entry.request_id, entry.token_ids, finish_reason, logprobs, entry.versions,
+                                 entry.num_preemptions, worker, timings, entry.version_starts))
 
     def _fail(self, entry: Entry, exc: RolloutError) -> None:
         self._finish(entry)

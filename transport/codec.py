@@ -29,7 +29,7 @@ from .messages import (
     SamplingParams,
 )
 
-__all__ = ["DecodeError", "encode", "encode_values", "build", "decode", "decode_header", "error_for", "batch_frame", "unbatch",
+__all__ = ["DecodeError", "encode", "encode_values", "build", "builder", "decode", "decode_header", "error_for", "batch_frame", "unbatch",
            "DEFAULT_MAX_HEADER_BYTES"]
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -55,7 +55,7 @@ class _Spec:
     """What the codec needs of one message class, worked out once from its annotations."""
 
     __slots__ = ("cls", "tag", "nested", "nested_at", "fields", "names", "setters", "encode_msg", "encode_values",
-                 "decode_fast")
+                 "decode_fast", "build")
 
     def __init__(self, cls: type[Message]):
         hints: dict[str, Any] | None = None
@@ -94,6 +94,7 @@ class _Spec:
         # Key order on the wire: v, type, id, then the fields in class order (golden vectors).
         self.encode_msg, self.encode_values = _make_encoders(self)
         self.decode_fast = _make_decoder(self) if self.setters and absent_ok else None
+        self.build = _make_builder(self) if self.setters else None
 
 
 # Straight-line code per message class, written once at first use (as dataclasses writes
@@ -147,6 +148,19 @@ def _make_decoder(spec: _Spec) -> Callable[[dict[str, Any], str], Message | None
     return ns["fast"]
 
 
+def _make_builder(spec: _Spec) -> Callable[..., Message]:
+    """``build(id, *fields)``: the message made by its slot setters, nothing checked."""
+    ns: dict[str, Any] = {"_new": _new, "_cls": spec.cls}
+    args = [f"a{i}" for i in range(len(spec.setters))]
+    lines = [f"def build({', '.join(args)}):", "    m = _new(_cls)"]
+    for i, setter in enumerate(spec.setters):
+        ns[f"S{i}"] = setter
+        lines.append(f"    S{i}(m, a{i})")
+    lines.append("    return m")
+    exec("\n".join(lines) + "\n", ns)
+    return ns["build"]
+
+
 def _nested_value(value: Any, type_tag: str, msg_id: str) -> SamplingParams:
     try:
         return SamplingParams.from_wire(value)
@@ -194,12 +208,17 @@ def build(cls: type[Message], *values: Any) -> Message:
     """``cls(...)`` from its id and then every field, in class order, in half the time:
     for hot paths whose values are right by construction (nothing is checked)."""
     spec = _SPECS.get(cls) or _spec(cls)
-    if not spec.setters or len(values) != len(spec.setters):
+    if spec.build is None or len(values) != len(spec.setters):
         return cls(**dict(zip(("id", *spec.names), values)))
-    msg = _new(cls)
-    for set_field, value in zip(spec.setters, values):
-        set_field(msg, value)
-    return msg
+    return spec.build(*values)
+
+
+def builder(cls: type[Message]) -> Callable[..., Message]:
+    """``build`` for one class, looked up once: for a hot path that makes many of them."""
+    spec = _SPECS.get(cls) or _spec(cls)
+    if spec.build is None:
+        return lambda *values: build(cls, *values)
+    return spec.build
 
 
 def _ext(code: int, data: bytes) -> msgpack.ExtType:

@@ -300,7 +300,14 @@ def _str_keys(v: dict[Any, Any]) -> bool:
 
 
 def _float_values(v: dict[Any, Any]) -> bool:
-    return _str_keys(v) and _all_floats(list(v.values()))
+    if len(v) > 8:
+        return _str_keys(v) and _all_floats(list(v.values()))
+    # A result's timings (a few keys, on every result): a plain loop takes a fifth of the
+    # time the two lists above do at this size.
+    for key, value in v.items():
+        if type(key) is not str or (type(value) is not float and type(value) is not int):
+            return False
+    return True
 
 
 def _all_maps(v: list[Any]) -> bool:

@@ -323,6 +323,7 @@ def test_build_and_encode_values_match_the_constructor_and_encode(msg):
     values = (msg.id, *(getattr(msg, f) for f in codec._spec(type(msg)).names))
     built = codec.build(type(msg), *values)
     assert built == msg and type(built) is type(msg)
+    assert codec.builder(type(msg))(*values) == msg  # the same, looked up once
     assert codec.encode_values(type(msg), *values) == codec.encode(msg)
     with pytest.raises(TypeError):
         codec.encode_values(type(msg), *values, "one too many")

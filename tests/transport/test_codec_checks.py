@@ -144,3 +144,19 @@ def test_long_prompts_are_checked_token_by_token():
         header["prompt_ids"][2048] = bad
         with pytest.raises(codec.DecodeError):
             codec.decode([msgpack.packb(header)])
+
+
+@pytest.mark.parametrize("size", [1, 8, 9, 40])  # a plain loop up to 8 keys, the list-based check past that
+@pytest.mark.parametrize("bad", [True, "1.0", None, [1.0], {"s": 1.0}], ids=repr)
+def test_a_result_timings_map_takes_numbers_only_whatever_its_size(size, bad):
+    base = Result(id="t", token_ids=[1], finish_reason="length")
+    timings = {f"k{i}": (i if i % 2 else i + 0.5) for i in range(size)}
+    decoded = codec.decode([codec.encode(dataclasses.replace(base, timings=timings))])
+    assert decoded.timings == timings
+    for at in (0, size - 1):  # the first key and the last
+        header = _header(base)
+        header["timings"] = {**timings, f"k{at}": bad}
+        with pytest.raises(codec.DecodeError) as info:
+            codec.decode([msgpack.packb(header)])
+        assert info.value.code == "bad_field" and "'timings'" in str(info.value)
+    assert not CHECKS["dict[str, float]"]({**timings, 7: 1.0})  # a key that is not a str, in-process
