@@ -121,7 +121,7 @@ def _make_encoders(spec: _Spec) -> tuple[Callable[..., bytes], Callable[..., byt
 def _make_decoder(spec: _Spec) -> Callable[[dict[str, Any], str], Message | None]:
     """``fast(header, msg_id)``: the message when every field has a type a valid header may
     have (an absent one reads as None), else None (the caller then goes field by field)."""
-    ns: dict[str, Any] = {"_new": _new, "_cls": spec.cls, "_nested": _nested_value, "_tag": spec.tag}
+    ns: dict[str, Any] = {"_nested": _nested_value, "_tag": spec.tag}
     lines = ["def fast(h, msg_id):"]
     checks = []
     for i, (name, types, contents, _) in enumerate(spec.fields):
@@ -139,26 +139,29 @@ def _make_decoder(spec: _Spec) -> Callable[[dict[str, Any], str], Message | None
         lines.append(f"    if not ({' and '.join(checks)}):\n        return None")
     for i in spec.nested_at:
         lines.append(f"    if f{i} is not None:\n        f{i} = _nested(f{i}, _tag, msg_id)")
-    lines.append("    m = _new(_cls)")
-    for i, setter in enumerate(spec.setters):
-        ns[f"S{i}"] = setter
-        lines.append(f"    S{i}(m, {'msg_id' if i == 0 else f'f{i - 1}'})")
-    lines.append("    return m")
+    lines += _making(spec, ns, ["msg_id", *(f"f{i}" for i in range(len(spec.fields)))])
     exec("\n".join(lines) + "\n", ns)
     return ns["fast"]
 
 
 def _make_builder(spec: _Spec) -> Callable[..., Message]:
     """``build(id, *fields)``: the message made by its slot setters, nothing checked."""
-    ns: dict[str, Any] = {"_new": _new, "_cls": spec.cls}
+    ns: dict[str, Any] = {}
     args = [f"a{i}" for i in range(len(spec.setters))]
-    lines = [f"def build({', '.join(args)}):", "    m = _new(_cls)"]
-    for i, setter in enumerate(spec.setters):
-        ns[f"S{i}"] = setter
-        lines.append(f"    S{i}(m, a{i})")
-    lines.append("    return m")
+    lines = [f"def build({', '.join(args)}):", *_making(spec, ns, args)]
     exec("\n".join(lines) + "\n", ns)
     return ns["build"]
+
+
+def _making(spec: _Spec, ns: dict[str, Any], values: list[str]) -> list[str]:
+    """The lines that make and return the message from ``values`` (expressions, id first),
+    each set through its slot's setter; what they name goes into ``ns``."""
+    ns.update(_new=_new, _cls=spec.cls)
+    lines = ["    m = _new(_cls)"]
+    for i, (setter, value) in enumerate(zip(spec.setters, values, strict=True)):
+        ns[f"S{i}"] = setter
+        lines.append(f"    S{i}(m, {value})")
+    return lines + ["    return m"]
 
 
 def _nested_value(value: Any, type_tag: str, msg_id: str) -> SamplingParams:
