@@ -267,6 +267,24 @@ async def test_abort_all_of_a_session_then_the_rest_with_partial_output_and_othe
         assert len(sup.table) == 0
 
 
+async def test_abort_all_twice_names_a_request_whose_abort_is_under_way_and_it_ends_once():
+    # PROTOCOL.md 6.3: a running request stays in flight until its worker has stopped it, so a
+    # second abort_all before then names it again; it still ends with one result.
+    async with fleet(1, engine_options={"tokens_per_s": 50}) as sup:
+        client = sup.client()
+        task = asyncio.create_task(client.generate("r", [4], SamplingParams(max_tokens=1000)))
+        assert await wait_for(lambda: any(e.worker_id is not None for e in sup.table), 10.0)
+        first = await client.abort_all()  # (the in-process client's calls run at once: no answer between them)
+        second = await client.abort_all()
+        assert first == second == ["r"]
+        r = await task
+        assert r.finish_reason == "abort" and r.token_ids == expected_tokens([4], len(r.token_ids))
+        assert await client.abort_all() == []
+        stats = await sup.stats()
+        assert stats["num_aborted"] == 1 and stats["num_completed"] == 0
+        assert len(sup.table) == 0
+
+
 def slow_reader(ctx, address: str):
     """A raw client whose receive side holds little, so what it does not read backs up to the fleet."""
     sock = ctx.socket(zmq.DEALER)
