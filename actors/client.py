@@ -26,7 +26,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from ..errors import DuplicateRequest, FleetClosed, InvalidRequest, RequestTimeout, RolloutError, from_code
 from ..transport import codec
-from ..transport.aio import BATCH_BYTES, LoopSocket
+from ..transport.aio import BATCH_BYTES, LoopSocket, wait_within
 from ..transport.messages import (
     Abort,
     AbortAll,
@@ -119,7 +119,7 @@ async def _before(waiting: Awaitable[Any], timeout: float | None, request_id: st
         await waiting
         return
     try:
-        await asyncio.wait_for(waiting, timeout)
+        await wait_within(waiting, timeout)
     except asyncio.TimeoutError:
         what = f"request {request_id!r}" if request_id is not None else "generate_batch"
         raise RequestTimeout(f"{what} timed out after {timeout}s, waiting for the fleet to answer hello",
@@ -360,7 +360,7 @@ class _Base:
                 try:
                     # What is left of the call's deadline: the wait for hello and the sends took
                     # the rest (wait_for with 0 left times out at once).
-                    await asyncio.wait_for(woken, None if deadline is None else max(deadline - loop.time(), 0.0))
+                    await wait_within(woken, None if deadline is None else max(deadline - loop.time(), 0.0))
                 except asyncio.TimeoutError:
                     timed_out = True
         finally:
@@ -663,7 +663,7 @@ class RemoteClient(_Base):
         self._calls[msg.id] = fut
         try:
             self._post_on(self._lsock, codec.encode(msg))  # (_post would refuse: the client is closing)
-            data = await asyncio.wait_for(fut, min(self.call_timeout_s, CLOSE_ABORT_S))
+            data = await wait_within(fut, min(self.call_timeout_s, CLOSE_ABORT_S))
             logger.debug("closing: aborted %d requests on the fleet", len(data.get("request_ids", [])))
         except (RolloutError, asyncio.TimeoutError) as exc:  # the fleet went, or is too slow
             logger.info("closing: could not abort this client's requests on the fleet at %s: %s", self.address,
@@ -906,7 +906,7 @@ class RemoteClient(_Base):
         self._calls[msg.id] = fut
         try:
             self._post(encoded)
-            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+            return await wait_within(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             why = "" if self._up else (f": no connection to a fleet at {self.address} came up (is one serving there? "
                                        f"one that requires CurveZMQ keys answers only clients given them: {self.keys_hint})")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import FleetClosed, RequestTimeout, WorkerLost, from_code
+from ..transport.aio import wait_within
 from ..transport.messages import Message
 from .process import WorkerProcess
 
@@ -74,7 +75,7 @@ class WorkerHandle:
                 self._send(self, msg, buffers)
             else:
                 self._send(self, msg)
-            return await asyncio.wait_for(fut, timeout)
+            return await wait_within(fut, timeout)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"worker {self.worker_id} did not answer {msg.TYPE.value} in {timeout}s") from None
         finally:

@@ -70,7 +70,7 @@ from ..transport.messages import (
     check_control_args,
     plain_ints,
 )
-from ..transport.aio import LoopSocket
+from ..transport.aio import LoopSocket, wait_within
 from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket
 from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
@@ -405,7 +405,7 @@ class Supervisor:
         try:
             gathered = asyncio.gather(*(h.registered for h in handles))
             try:
-                await asyncio.wait_for(gathered, timeout)
+                await wait_within(gathered, timeout)
             finally:
                 if gathered.done() and not gathered.cancelled():
                     gathered.exception()  # read, so a failure nobody waits for is not logged as lost

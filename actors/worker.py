@@ -51,7 +51,7 @@ from ..transport.messages import (
     WorkerExit,
     check_control_args,
 )
-from ..transport.aio import LoopSocket
+from ..transport.aio import LoopSocket, wait_within
 from ..transport.sockets import SocketOptions, make_socket
 from .boot import HELD, continue_on_parent_death, hold_signals
 from .boot import pending as boot_pending
@@ -209,7 +209,7 @@ class EngineWorker:
             self._receiver.close()
         if self.engine is not None:
             try:
-                await asyncio.wait_for(self.engine.shutdown(), timeout=30)
+                await wait_within(self.engine.shutdown(), 30)
             except Exception:
                 logger.exception("engine shutdown failed")
 

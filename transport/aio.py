@@ -20,20 +20,25 @@ with the exception), a ``ZMQ_EVENTS`` query costs ~1.3 us, and pyzmq's ``recv_mu
 and ``send_multipart`` cost about twice the plain calls they make. So checks ask
 ``ZMQ_EVENTS`` where one message or none is the likely answer, and a drain reads on until
 ``zmq.Again`` only once a second message is waiting.
+
+``wait_within`` is ``asyncio.wait_for`` without the flaw it has before Python 3.12: there, a
+task cancelled in the loop iteration in which what it waits for finishes gets the result,
+and the cancel is lost (the task runs on; an ``asyncio.timeout`` around it never fires).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import zmq
 
 from .codec import batch_frame
 
-__all__ = ["LoopSocket"]
+__all__ = ["LoopSocket", "wait_within"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,3 +227,39 @@ class LoopSocket:
         except Exception:
             pass
         self.sock.close(linger=linger)
+
+
+_T = TypeVar("_T")
+
+if sys.version_info >= (3, 12):
+    wait_within = asyncio.wait_for  # built on asyncio.timeout since 3.12: a cancel always counts
+elif sys.version_info >= (3, 11):
+    async def wait_within(aw: Awaitable[_T], timeout: float | None) -> _T:
+        """``await aw``, or asyncio.TimeoutError after ``timeout`` seconds (None: no limit),
+        ``aw`` cancelled then; a cancel of the caller is raised even when ``aw`` has just finished."""
+        async with asyncio.timeout(timeout):
+            return await aw
+else:
+    async def wait_within(aw: Awaitable[_T], timeout: float | None) -> _T:
+        """As above, with a timer of its own (3.10 has no asyncio.timeout). A cancel from
+        elsewhere that lands in the very iteration the timer fires is taken for the timeout."""
+        if timeout is None:
+            return await aw
+        task = asyncio.current_task()
+        assert task is not None
+        fired = False
+
+        def expire() -> None:
+            nonlocal fired
+            fired = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(max(timeout, 0.0), expire)
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            if fired:
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            timer.cancel()

@@ -147,3 +147,64 @@ async def test_input_that_came_during_a_failed_send_is_still_read(pair):
         await asyncio.sleep(0.01)
     assert got == [[b"peer", b"meanwhile"]]
     lsock.close()
+
+
+# ---- wait_within: asyncio.wait_for whose caller's cancel is never lost
+
+
+async def test_wait_within_raises_a_cancel_that_lands_in_the_iteration_its_future_finishes():
+    # Before Python 3.12, asyncio.wait_for returns the result here and the cancel is lost.
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    task = asyncio.ensure_future(aio.wait_within(fut, 30))
+    await asyncio.sleep(0)  # the task waits on fut
+
+    def answer_then_cancel() -> None:
+        fut.set_result("late")
+        task.cancel()
+
+    loop.call_soon(answer_then_cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_wait_within_gives_the_result_and_waits_without_limit_for_none():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.call_later(0.05, fut.set_result, 7)
+    assert await aio.wait_within(fut, None) == 7
+
+    async def work() -> str:
+        await asyncio.sleep(0.01)
+        return "done"
+
+    assert await aio.wait_within(work(), 5) == "done"
+
+
+async def test_wait_within_times_out_and_cancels_what_it_waited_for():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    with pytest.raises(asyncio.TimeoutError):
+        await aio.wait_within(fut, 0.05)
+    assert fut.cancelled()
+    finished = []
+
+    async def slow() -> None:
+        await asyncio.sleep(0.2)
+        finished.append(True)
+
+    with pytest.raises(asyncio.TimeoutError):
+        await aio.wait_within(slow(), 0)  # nothing left: it times out, not after the sleep
+    await asyncio.sleep(0.3)
+    assert finished == []  # stopped, not left running
+
+
+async def test_a_cancel_of_the_caller_reaches_what_wait_within_waits_for():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    task = asyncio.ensure_future(aio.wait_within(fut, 30))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):  # a cancel, not taken for the timeout
+        await task
+    assert fut.cancelled()
