@@ -5,7 +5,10 @@ results in order), ``stream`` (yields StreamChunk objects, then the final Genera
 ``abort``, ``abort_all``, ``stats`` and ``control``;
 LLMClient also drives the fleet (``update_weights``, ``sleep``, ``wake_up``,
 ``clear_kv_cache``, profiling). Cancelling the awaiting task (``asyncio.timeout``,
-``wait_for``) stops the request on its worker too.
+``wait_for``) stops the request on its worker too, and the call raises CancelledError even
+when the cancel lands in the loop iteration its answer came (their own bounded waits use
+``transport.aio.wait_within``, not ``asyncio.wait_for``, which before Python 3.12 returns
+the answer then and the cancel is lost).
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def main() -> None:
                              "message when it cannot be imported; named here, an engine that fails stops the run).")
     parser.add_argument("--requests", type=int, help="Requests per round (default 64; --quick 16).")
     parser.add_argument("--max-tokens", type=int, help="New tokens per request (default 128; --quick 64).")
-    parser.add_argument("--rounds", type=int, help="Measured rounds per path (default 5; --quick 2).")
+    parser.add_argument("--rounds", type=int, help="Measured rounds per path (default 5; --quick 4).")
     parser.add_argument("--no-iomp", action="store_true", help="Do not preload libiomp5.so.")
     parser.add_argument("--model", metavar="DIR", help="A local transformers model directory "
                         "(default: the tiny random Llama, built in a temporary directory).")
@@ -294,7 +294,7 @@ def main() -> None:
     unknown = set(args.engines) - set(ENGINES)
     if unknown or not args.engines:
         parser.error(f"--engines takes a subset of {','.join(ENGINES)}")
-    quick_defaults(args, requests=(16, 64), max_tokens=(64, 128), rounds=(2, 5))  # an explicit 0 meets the check
+    quick_defaults(args, requests=(16, 64), max_tokens=(64, 128), rounds=(4, 5))  # an explicit 0 meets the check
     if args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
         parser.error("--requests, --max-tokens and --rounds must be >= 1")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
