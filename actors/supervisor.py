@@ -842,9 +842,12 @@ class Supervisor:
         proc = RemoteProcess(worker_id, msg.pid, msg.host, stop)
         handle = WorkerHandle(index=index, generation=int(generation), device=msg.device, proc=proc,
                               send=self._send_worker)
+        # Asked before the new handle goes in: a worker taken for dead that registers again has
+        # the same id as its previous start, which is no live worker to replace.
+        replaces = previous is not None and self.workers.get(previous.worker_id) is previous
         self.workers[worker_id] = handle
         self.slots[index] = handle  # first: the slot is live while the worker it replaces dies
-        if previous is not None and previous.worker_id in self.workers:
+        if replaces:
             previous.last_error = previous.last_error or f"replaced by {worker_id}"
             self._send_shutdown(previous.identity)  # the replaced process may still run
             previous.proc.lost()

@@ -332,3 +332,83 @@ async def test_a_new_generation_keeps_its_slot_even_when_no_dead_slot_is_kept(tm
             for ctx, sock in socks:
                 sock.close()
                 ctx.term()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_remote_worker_taken_for_dead_that_registers_again_is_admitted_as_a_new_start(tmp_path):
+    # PROTOCOL.md 6.10: once taken for dead (here its worker_exit) the fleet drops what the
+    # identity sends until it registers again, and that register admits it as a new start of its
+    # slot, the same generation included: answered with a reply, not told to go, and it serves.
+    import msgpack
+
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=0) as (sup, dealer):
+        ctx, sock = dealer(b"back/w0-0")
+        try:
+            await _register_as(sock, "back/w0-0")
+            sock.send(msgpack.packb({"v": 1, "type": "worker_exit", "id": "exit", "reason": "exit"}))
+            for _ in range(500):
+                if "back/w0-0" not in sup.workers:
+                    break
+                await asyncio.sleep(0.01)
+            assert "back/w0-0" not in sup.workers
+            while sock.poll(0):
+                sock.recv()  # whatever it was sent as it went (its shutdown)
+            await _register_as(sock, "back/w0-0")  # a reply: admitted again
+            await asyncio.sleep(0.2)
+            assert not sock.poll(0), f"told more after its reply: {msgpack.unpackb(sock.recv())}"
+            handle = sup.workers.get("back/w0-0")
+            assert handle is not None and handle.alive
+            stats = await sup.stats(engines=False)
+            assert [(w["worker_id"], w["index"], w["state"]) for w in stats["workers"]] == [
+                ("w0-0", 0, "ready"), ("back/w0-0", 1, "ready")]
+            # It serves: a request routed to it arrives as a generate.
+            client = sup.client()
+            sup.router.set_available("w0-0", False)
+            task = asyncio.create_task(client.generate("r", [5, 6], SamplingParams(max_tokens=2)))
+            assert await asyncio.to_thread(sock.poll, 10_000)
+            frame = msgpack.unpackb(sock.recv())
+            items = frame["messages"] if frame["type"] == "batch" else [frame]
+            gen = [m for m in items if m["type"] == "generate"]
+            assert gen and gen[0]["prompt_ids"] == [5, 6]
+            sock.send(msgpack.packb({"v": 1, "type": "result", "id": gen[0]["id"], "token_ids": [1, 2],
+                                     "finish_reason": "length", "weight_versions": [0]}))
+            result = await asyncio.wait_for(task, 10)
+            assert result.token_ids == [1, 2] and result.worker == "back/w0-0"
+        finally:
+            sock.close()
+            ctx.term()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
+async def test_a_worker_refused_at_the_handshake_must_connect_anew_once_its_key_is_allowed(tmp_path):
+    # PROTOCOL.md 1 and 6.10: ZeroMQ does not try a connection refused at the CurveZMQ handshake
+    # again, so a key allowed later admits only a new socket, not the one refused before.
+    import msgpack
+
+    async with fleet_with_a_worker_key(tmp_path, tokens_per_s=0) as (sup, _):
+        pub, sec = zmq.curve_keypair()
+        server_pub = load_client_keys(str(tmp_path / "keys"))[2]
+        register = msgpack.packb({"v": 1, "type": "register", "id": "register", "worker_id": "late/w0-0",
+                                  "pid": 1, "engine": "echo"})
+        ctx, early = _curve_dealer(sup.worker_address, b"late/w0-0", pub, sec, server_pub)
+        fresh = None
+        try:
+            with contextlib.suppress(zmq.Again):
+                early.send(register, zmq.DONTWAIT)
+            await asyncio.sleep(0.5)  # refused at the handshake: its key is not allowed yet
+            sup.allow_worker_key(pub)
+            for _ in range(8):
+                with contextlib.suppress(zmq.Again):
+                    early.send(register, zmq.DONTWAIT)
+                await asyncio.sleep(0.25)
+            assert not early.poll(0) and "late/w0-0" not in sup.workers
+            early.close()
+            fresh = _curve_dealer(sup.worker_address, b"late/w0-0", pub, sec, server_pub)
+            await _register_as(fresh[1], "late/w0-0")
+            assert "late/w0-0" in sup.workers
+        finally:
+            early.close()
+            ctx.term()
+            if fresh is not None:
+                fresh[1].close()
+                fresh[0].term()
