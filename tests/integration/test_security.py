@@ -352,7 +352,7 @@ async def test_a_remote_worker_taken_for_dead_that_registers_again_is_admitted_a
                 await asyncio.sleep(0.01)
             assert "back/w0-0" not in sup.workers
             while sock.poll(0):
-                sock.recv()  # whatever it was sent as it went (its shutdown)
+                sock.recv()  # anything sent to it before it went
             await _register_as(sock, "back/w0-0")  # a reply: admitted again
             await asyncio.sleep(0.2)
             assert not sock.poll(0), f"told more after its reply: {msgpack.unpackb(sock.recv())}"
