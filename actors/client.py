@@ -362,7 +362,7 @@ class _Base:
             if not woken.done():
                 try:
                     # What is left of the call's deadline: the wait for hello and the sends took
-                    # the rest (wait_for with 0 left times out at once).
+                    # the rest (with 0 left, wait_within times out at once).
                     await wait_within(woken, None if deadline is None else max(deadline - loop.time(), 0.0))
                 except asyncio.TimeoutError:
                     timed_out = True
