@@ -183,6 +183,8 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         "report_interval_s": cfg.report_interval_s,
         "max_message_bytes": cfg.max_message_bytes,
     }
+    if host:
+        supervisor.advertised_host = host  # where those workers dial it: its collective updates' store too
     store.set(f"{prefix}/router", json.dumps(info))
     logger.info("published router %s under %r", info["address"], prefix)
     return RouterPublication(store, supervisor, prefix, poll_s)

@@ -71,7 +71,7 @@ from ..transport.messages import (
     plain_ints,
 )
 from ..transport.aio import LoopSocket, wait_within
-from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket
+from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket, split_host_port
 from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
@@ -199,6 +199,7 @@ class Supervisor:
         """Called first thing at shutdown (node publications tell their agents here, before
         any worker is stopped, so that no agent restarts one)."""
         self.worker_address = ""
+        self.advertised_host = ""  # the host a wildcard worker socket was published under (publish_router)
         self.frontend_address: str | None = None
         self.counters = {"completed": 0, "aborted": 0, "failed": 0, "resumed": 0, "cancelled": 0}
         self._restarts: dict[int, RestartTracker] = {}
@@ -526,6 +527,18 @@ class Supervisor:
         if self.private_dir is None or self.closed:
             raise RuntimeError("remove_with needs a started, open fleet")
         remove_with(self.private_dir, path)
+
+    @property
+    def worker_host(self) -> str:
+        """The host that workers on other hosts dial the worker socket at: the one it is bound to
+        over TCP, or for a wildcard bind (0.0.0.0, ::, *) the host it was published under
+        (``publish_router(..., host=)``); '' when neither names one (an ipc:// socket, say)."""
+        if not self.worker_address.startswith("tcp://"):
+            return ""
+        parsed = split_host_port(self.worker_address[len("tcp://"):])
+        if parsed is None or parsed[0] in ("0.0.0.0", "::", "*", ""):
+            return self.advertised_host
+        return parsed[0]
 
     @property
     def metrics_address(self) -> str | None:

@@ -71,7 +71,7 @@ class WeightSync:
         cfg = dict(self.sup.config.weights or {})
         cfg["transport"] = self.sup.config.weight_transport()
         cfg.update({k: v for k, v in overrides.items() if v is not None})
-        return WeightSender(WeightSyncConfig(**cfg))
+        return WeightSender(WeightSyncConfig(**cfg), fleet_host=self.sup.worker_host)
 
     # ------------------------------------------------------------------ catch-up
     def needs_catch_up(self, handle: WorkerHandle) -> bool:

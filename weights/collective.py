@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address"]
+__all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address",
+           "route_source", "rendezvous_address"]
 
 
 def local_address(peer: str) -> str:
@@ -35,6 +36,39 @@ def local_address(peer: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+def route_source(host: str) -> str | None:
+    """This host's address on the route to ``host`` (a name or an IPv4 address; no packet is
+    sent), or None when ``host`` does not resolve here or that route is a loopback one (the name
+    stands for this host, or /etc/hosts maps it to 127.x: no address other hosts can dial)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            source = s.getsockname()[0]
+        except (OSError, UnicodeError):
+            return None
+    return None if source.startswith("127.") else source
+
+
+def rendezvous_address(links: list, fleet_host: str = "") -> str:
+    """Where the collective's workers dial this process's store: 127.0.0.1 when every one of them
+    is on this host; else ``fleet_host`` (the host they reached the fleet's worker socket at, when
+    the fleet names one); else this host's address on the route to the first of their hosts that
+    resolves here; else this host's fully qualified name. ``WeightSyncConfig.master_addr``, when
+    set, goes before all of these."""
+    from .config import is_local_host
+
+    remote = [l.host for l in links if not is_local_host(l.host)]
+    if not remote:
+        return "127.0.0.1"
+    if fleet_host:
+        return fleet_host
+    for host in remote:
+        source = route_source(host)
+        if source is not None:
+            return source
+    return socket.getfqdn()
 
 
 def open_store(addr: str, timeout_s: float) -> dist.TCPStore:
@@ -132,9 +166,7 @@ class CollectiveChannel:
 
     kind = "collective"
 
-    def __init__(self, links: list, config: Any, update_id: str) -> None:
-        from .config import is_local_host
-
+    def __init__(self, links: list, config: Any, update_id: str, fleet_host: str = "") -> None:
         self.links = links
         self.timeout_s = config.timeout_s
         backend = config.collective_backend
@@ -145,9 +177,7 @@ class CollectiveChannel:
         self.device = torch.device("cpu")
         if backend == "nccl":
             self.device = torch.device(config.device or f"cuda:{torch.cuda.current_device()}")
-        self.addr = config.master_addr or (
-            "127.0.0.1" if all(is_local_host(l.host) for l in links) else socket.getfqdn()
-        )
+        self.addr = config.master_addr or rendezvous_address(links, fleet_host)
         self.prefix = f"rollfleet/{update_id}"
         self.keep = bool(getattr(config, "keep_buffers", True))
         self.buffers: list[torch.Tensor] = []

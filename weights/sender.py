@@ -119,7 +119,7 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: str) -> Any:
+def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: str, fleet_host: str = "") -> Any:
     if kind == "zmq":
         from .frames import FramesChannel
 
@@ -132,7 +132,7 @@ def _make_channel(kind: str, links: list, config: WeightSyncConfig, update_id: s
         return CudaIpcChannel(links, config, update_id)
     from .collective import CollectiveChannel
 
-    return CollectiveChannel(links, config, update_id)
+    return CollectiveChannel(links, config, update_id, fleet_host)
 
 
 IN_PLACE_DEPTH = 4
@@ -195,8 +195,12 @@ def check_cuda_here(config: WeightSyncConfig) -> None:
 class WeightSender:
     """Pushes named tensors to engine workers. One update at a time per sender."""
 
-    def __init__(self, config: WeightSyncConfig | None = None) -> None:
+    def __init__(self, config: WeightSyncConfig | None = None, *, fleet_host: str = "") -> None:
+        """``fleet_host``: the host that workers on other hosts reached the fleet at (its worker
+        socket's, when it names one): where they dial the collective's store, unless
+        ``config.master_addr`` says otherwise."""
         self.config = config or WeightSyncConfig()
+        self.fleet_host = fleet_host
         self._lock = asyncio.Lock()
         self._lora: dict[str, Any] | None = None
 
@@ -250,7 +254,7 @@ class WeightSender:
                 logger.warning("removed %d shared-memory segments left by dead processes", len(stale))
         # shm/cuda_ipc first: filling a mapped or device buffer directly is cheapest.
         order = sorted(groups, key=("shm", "cuda_ipc", "collective", "zmq").index)
-        channels = [_make_channel(k, groups[k], cfg, uid) for k in order]
+        channels = [_make_channel(k, groups[k], cfg, uid, self.fleet_host) for k in order]
         # In place needs a single transport. shm in place is provisional: the receivers say at
         # the begin whether they can read this process's memory; if not, the buckets packed
         # so far move into the buffer.

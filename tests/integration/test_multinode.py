@@ -120,7 +120,8 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
         config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://{ns.host_ip}:0", curve_keys_dir=keys,
                              accept_remote_workers=True, deterministic_routing=True,
                              heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0,
-                             weights={"master_addr": ns.host_ip, "bucket_bytes": 1 << 16, "timeout_s": 30.0})
+                             # no master_addr: the store is dialled at the host the worker socket is bound to
+                             weights={"bucket_bytes": 1 << 16, "timeout_s": 30.0})
         agent = None
         try:
             async with Supervisor(config) as sup:
@@ -596,3 +597,23 @@ def test_the_published_worker_address_names_a_wildcard_bind_by_the_advertised_ho
     assert reachable_address("tcp://0.0.0.0:5", "node-a") == "tcp://node-a:5"
     assert reachable_address("tcp://[::]:5", "10.0.0.1") == "tcp://10.0.0.1:5"
     assert reachable_address("tcp://0.0.0.0:5", "::1") == "tcp://[::1]:5"  # an IPv6 host in brackets
+
+
+@pytest.mark.timeout(60)
+async def test_the_fleets_worker_host_is_its_bound_host_or_the_one_a_wildcard_was_published_under(tmp_path):
+    """What the collective's store is dialled at by default (remote workers reached the fleet there)."""
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    for bind, published, expected in (("tcp://127.0.0.1:0", None, "127.0.0.1"), ("tcp://0.0.0.0:0", None, ""),
+                                      ("tcp://0.0.0.0:0", "node-a.example", "node-a.example")):
+        store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                           wait_for_workers=False)
+        async with Supervisor(FleetConfig(engine="echo", num_workers=1, worker_addr=bind, curve_keys_dir=keys,
+                                          accept_remote_workers=True)) as sup:
+            publication = publish_router(store, sup, host=published)
+            try:
+                assert sup.worker_host == expected, (bind, published)
+                # the default store address of a collective update to a worker on another host
+                assert sup.weights._sender().fleet_host == expected
+            finally:
+                publication.close()

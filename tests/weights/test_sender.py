@@ -1,15 +1,19 @@
 """Sender and receiver in one process over LocalLink (every message through the wire codec)."""
 
 import asyncio
+import socket
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
 from rollfleet.engines.base import WeightsRefused
 from rollfleet.errors import EngineFailed, InvalidRequest, WeightUpdateError
-from rollfleet.transport.messages import WeightsBucket, WeightsEnd
+from rollfleet.transport.messages import WeightsBegin, WeightsBucket, WeightsEnd
 from rollfleet.weights import WeightReceiver, WeightSender, WeightSyncConfig, choose_transport
 from rollfleet.weights import shm
+from rollfleet.weights.collective import rendezvous_address
 from weights_harness import DescriptorEngine, LocalLink, StoreEngine, digest, make_weights
 
 
@@ -191,11 +195,66 @@ async def test_collective_gloo_in_one_process_alongside_shm():
     b.host = "elsewhere.invalid"  # auto picks collective for a remote host
     cfg = WeightSyncConfig(bucket_bytes=2048, master_addr="127.0.0.1", timeout_s=30)
     assert choose_transport(a, cfg) == "shm" and choose_transport(b, cfg) == "collective"
-    report = await WeightSender(cfg).update(weights, 11, [a, b])
+    report = await WeightSender(cfg, fleet_host="192.0.2.77").update(weights, 11, [a, b])
     assert report.workers["b"].transport == "collective"
     for engine in (a_engine, b_engine):
         assert engine.digests() == {n: digest(t) for n, t in weights}
     assert b.receiver.version == 11
+    assert _store_addr(b) == "127.0.0.1"  # master_addr goes before the fleet's host
+
+
+def _store_addr(link) -> str:
+    """The store address the sender gave ``link`` in its update's begin."""
+    begins = [m for m in link.sent if isinstance(m, WeightsBegin)]
+    assert begins, "no weights_begin reached the link"
+    return begins[-1].options["addr"]
+
+
+def _own_ipv4() -> str | None:
+    """One of this machine's IPv4 addresses other than loopback, as its interfaces list them."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return None
+
+
+OWN_IPV4 = _own_ipv4()
+
+
+def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
+    def links(*hosts):
+        return [SimpleNamespace(host=h) for h in hosts]
+
+    # every worker on this host: loopback, whatever else is known
+    assert rendezvous_address(links("", "localhost", socket.gethostname()), "192.0.2.77") == "127.0.0.1"
+    # a worker elsewhere: the host the fleet's worker socket is bound to, which it dialled
+    assert rendezvous_address(links("", "elsewhere.invalid"), "192.0.2.77") == "192.0.2.77"
+    # no such host known, and a name that does not resolve here: this host's name, the last resort
+    assert rendezvous_address(links("elsewhere.invalid")) == socket.getfqdn()
+    if OWN_IPV4 is not None:
+        # a host that resolves: this host's address on the route to it (here one of this
+        # machine's own addresses, whose route starts at itself), never a loopback one
+        assert rendezvous_address(links("elsewhere.invalid", OWN_IPV4)) == OWN_IPV4
+
+
+@pytest.mark.skipif(OWN_IPV4 is None, reason="this machine has no IPv4 address but loopback")
+@pytest.mark.parametrize("fleet_host", ["", "own"])
+async def test_a_remote_worker_is_given_a_store_address_it_can_dial_without_master_addr(fleet_host):
+    """Without master_addr, the worker is sent a store address that reaches this host from its
+    own (the fleet's worker host, or the address on the route to the worker), and the group forms
+    there: not this host's name, which on many machines resolves to 127.0.x.x only."""
+    weights = make_weights(big_bytes=5000)
+    link, engine = local("b")
+    # Not this host by name (is_local_host), so collective: a name that does not resolve here
+    # (the fleet's host is all there is to go by), or an address that does.
+    link.host = "elsewhere.invalid" if fleet_host else OWN_IPV4
+    cfg = WeightSyncConfig(bucket_bytes=2048, timeout_s=30)
+    assert choose_transport(link, cfg) == "collective"
+    report = await WeightSender(cfg, fleet_host=OWN_IPV4 if fleet_host else "").update(weights, 4, [link])
+    assert report.workers["b"].transport == "collective" and report.workers["b"].ok
+    assert _store_addr(link) == OWN_IPV4
+    assert engine.digests() == {n: digest(t) for n, t in weights}
 
 
 def test_config_is_validated():
