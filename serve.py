@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "published as --advertise-host.")
     parser.add_argument("--advertise-host", default=None, metavar="NAME",
                         help="With --store-bind: the host name other nodes dial for a wildcard --worker-bind "
-                             "(default: this host's fully qualified name).")
+                             "(default: this host's address on the route to the --store-bind host, else its fully "
+                             "qualified name).")
     parser.add_argument("--stall-timeout", type=positive_float, default=None, metavar="SECONDS",
                         help="A running request that gets no token for this long, while its worker still "
                              "heartbeats, means a stuck engine: the worker is killed and restarted and its "
@@ -346,7 +347,7 @@ async def serve(args: argparse.Namespace) -> int:
             return 1
         address = fleet.frontend_address or ""
         if args.store_bind is not None:
-            from .actors.node import AGENT_CHECK_S, publish_router, reachable_address
+            from .actors.node import AGENT_CHECK_S, publish_router
             from .transport.sockets import join_host_port
 
             try:
@@ -356,7 +357,7 @@ async def serve(args: argparse.Namespace) -> int:
                 print(f"rollfleet serve: --store-bind {args.store_bind}: {exc}", file=sys.stderr)
                 return 1
             store_host, _ = _host_port("--store-bind", args.store_bind)
-            published = reachable_address(fleet.worker_address, args.advertise_host)
+            published = publication.address
             print(f"rollfleet store on {join_host_port(store_host, store.port)} (workers {published})", flush=True)
         if model_dir is not None:
             fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it

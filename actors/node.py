@@ -50,7 +50,7 @@ import zmq
 
 from ..cli import log_level
 from ..engines import check_engine_options
-from ..transport.sockets import join_host_port, split_host_port
+from ..transport.sockets import join_host_port, route_source, split_host_port
 from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import (WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs,
@@ -74,6 +74,15 @@ def reachable_address(address: str, host: str | None) -> str:
     return f"{scheme}://{join_host_port(host or socket.getfqdn(), port)}"
 
 
+def wildcard_host(store: Any) -> str | None:
+    """The host to publish a wildcard worker socket under when none is given: this host's address
+    on the route to the store's host (a TCPStore's ``host``, else the job's ``MASTER_ADDR``), which
+    every node reaches; None (this host's fully qualified name then) when neither is known or the
+    route is a loopback one."""
+    target = getattr(store, "host", None) or os.environ.get("MASTER_ADDR", "")
+    return route_source(target) if target else None
+
+
 class RouterPublication:
     """What ``publish_router`` leaves running: a thread that admits node keys as agents
     write them into the store, and marks the store closed when the supervisor shuts down."""
@@ -84,6 +93,7 @@ class RouterPublication:
         self.prefix = prefix
         self.poll_s = poll_s
         self.admitted: list[str] = []  # node names, in order of admission
+        self.address = ""  # the worker address published, as node agents dial it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rollfleet-node-keys", daemon=True)
         self._thread.start()
@@ -165,7 +175,8 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
                    poll_s: float = 0.1) -> RouterPublication:
     """Put a started supervisor's worker address and server key into ``store`` for node
     agents, and admit the keys they publish. ``host`` replaces the bound host in the address
-    (needed for a wildcard bind; default then: this host's FQDN).
+    (needed for a wildcard bind; default then: ``wildcard_host(store)``, else this host's
+    fully qualified name).
 
     The supervisor needs ``accept_remote_workers=True`` (with its tcp:// worker_addr and
     curve_keys_dir). Call ``close()`` on the result, or just shut the supervisor down."""
@@ -174,6 +185,9 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         raise ValueError("the supervisor does not accept remote workers (FleetConfig.accept_remote_workers)")
     if not supervisor.worker_address.startswith("tcp://") or supervisor._server_keys is None:
         raise RuntimeError("publish_router needs a started supervisor with a tcp:// worker socket and curve keys")
+    bound = supervisor.worker_address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host is None and bound in ("0.0.0.0", "*", "::", ""):
+        host = wildcard_host(store)
     info = {
         "address": reachable_address(supervisor.worker_address, host),
         "server_key": supervisor._server_keys[0].decode(),
@@ -187,7 +201,9 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         supervisor.advertised_host = host  # where those workers dial it: its collective updates' store too
     store.set(f"{prefix}/router", json.dumps(info))
     logger.info("published router %s under %r", info["address"], prefix)
-    return RouterPublication(store, supervisor, prefix, poll_s)
+    publication = RouterPublication(store, supervisor, prefix, poll_s)
+    publication.address = info["address"]
+    return publication
 
 
 class NodeAgent:

@@ -98,6 +98,19 @@ def split_host_port(text: str, *, any_port: bool = False) -> tuple[str, int] | N
     return host, int(port)
 
 
+def route_source(host: str) -> str | None:
+    """This host's address on the route to ``host`` (a name or an IPv4 address; no packet is
+    sent), or None when ``host`` does not resolve here or that route is a loopback one (the name
+    stands for this host, or /etc/hosts maps it to 127.x: no address other hosts can dial)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            source = s.getsockname()[0]
+        except (OSError, UnicodeError):
+            return None
+    return None if source.startswith("127.") else source
+
+
 def join_host_port(host: str, port: int | str) -> str:
     """``HOST:PORT``, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

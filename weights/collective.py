@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address",
-           "route_source", "rendezvous_address"]
+           "rendezvous_address"]
 
 
 def local_address(peer: str) -> str:
@@ -38,25 +38,13 @@ def local_address(peer: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def route_source(host: str) -> str | None:
-    """This host's address on the route to ``host`` (a name or an IPv4 address; no packet is
-    sent), or None when ``host`` does not resolve here or that route is a loopback one (the name
-    stands for this host, or /etc/hosts maps it to 127.x: no address other hosts can dial)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            source = s.getsockname()[0]
-        except (OSError, UnicodeError):
-            return None
-    return None if source.startswith("127.") else source
-
-
 def rendezvous_address(links: list, fleet_host: str = "") -> str:
     """Where the collective's workers dial this process's store: 127.0.0.1 when every one of them
     is on this host; else ``fleet_host`` (the host they reached the fleet's worker socket at, when
     the fleet names one); else this host's address on the route to the first of their hosts that
     resolves here; else this host's fully qualified name. ``WeightSyncConfig.master_addr``, when
     set, goes before all of these."""
+    from ..transport.sockets import route_source
     from .config import is_local_host
 
     remote = [l.host for l in links if not is_local_host(l.host)]

@@ -490,10 +490,15 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-node test skipped: {WHY_NOT}")
 @pytest.mark.timeout(180)
-async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by_its_advertised_name(tmp_path):
+@pytest.mark.parametrize("advertise", [True, False], ids=["advertised", "by-default"])
+async def test_serve_on_a_wildcard_worker_socket_is_reached_from_another_host_by_its_advertised_name(tmp_path,
+                                                                                                   advertise):
     # The worker socket listens on every interface; agents on the other host dial the name
     # serve advertises (here the address the other host reaches it at), found in the store.
-    with Namespace() as ns, ServedFleet(tmp_path, "--worker-bind", "tcp://0.0.0.0:0", "--advertise-host", ns.host_ip,
+    # Without --advertise-host: this host's address on the route to the store's host (here the
+    # same address), not its host name, which here resolves to loopback only.
+    with Namespace() as ns, ServedFleet(tmp_path, "--worker-bind", "tcp://0.0.0.0:0",
+                                        *(("--advertise-host", ns.host_ip) if advertise else ()),
                                         store_bind=f"{ns.host_ip}:0") as fleet:
         assert fleet.store.startswith(f"{ns.host_ip}:")
         assert fleet.workers_address.startswith(f"tcp://{ns.host_ip}:")  # the address agents dial, not 0.0.0.0
@@ -604,6 +609,8 @@ async def test_the_fleets_worker_host_is_its_bound_host_or_the_one_a_wildcard_wa
     """What the collective's store is dialled at by default (remote workers reached the fleet there)."""
     keys = str(tmp_path / "keys")
     make_keys(keys)
+    # (a store on loopback: no route to it names an address other hosts dial, so a wildcard bind
+    # published with no host has none; the published address then names this host's FQDN)
     for bind, published, expected in (("tcp://127.0.0.1:0", None, "127.0.0.1"), ("tcp://0.0.0.0:0", None, ""),
                                       ("tcp://0.0.0.0:0", "node-a.example", "node-a.example")):
         store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
