@@ -50,7 +50,7 @@ import zmq
 
 from ..cli import log_level
 from ..engines import check_engine_options
-from ..transport.sockets import join_host_port, route_source, split_host_port
+from ..transport.sockets import bound_host, join_host_port, route_source, split_host_port
 from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import (WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs,
@@ -68,8 +68,8 @@ AGENT_CHECK_S = 1.0  # how often an agent looks at the store (closed? the superv
 def reachable_address(address: str, host: str | None) -> str:
     """The worker address as other nodes must dial it: a wildcard bind gets a host name."""
     scheme, _, rest = address.partition("://")
-    bound, _, port = rest.rpartition(":")
-    if host is None and bound.strip("[]") not in ("0.0.0.0", "*", "::", ""):
+    port = rest.rpartition(":")[2]
+    if host is None and bound_host(address):
         return address
     return f"{scheme}://{join_host_port(host or socket.getfqdn(), port)}"
 
@@ -185,8 +185,7 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         raise ValueError("the supervisor does not accept remote workers (FleetConfig.accept_remote_workers)")
     if not supervisor.worker_address.startswith("tcp://") or supervisor._server_keys is None:
         raise RuntimeError("publish_router needs a started supervisor with a tcp:// worker socket and curve keys")
-    bound = supervisor.worker_address[len("tcp://"):].rpartition(":")[0].strip("[]")
-    if host is None and bound in ("0.0.0.0", "*", "::", ""):
+    if host is None and not bound_host(supervisor.worker_address):
         host = wildcard_host(store)
     info = {
         "address": reachable_address(supervisor.worker_address, host),

@@ -71,7 +71,7 @@ from ..transport.messages import (
     plain_ints,
 )
 from ..transport.aio import LoopSocket, wait_within
-from ..transport.sockets import SocketOptions, ipc_in_use, ipc_path, make_socket, split_host_port
+from ..transport.sockets import SocketOptions, bound_host, ipc_in_use, ipc_path, make_socket
 from .config import FleetConfig
 from .handle import RemoteProcess, RestartTracker, WorkerHandle, WorkerState
 from .inflight import Entry, InflightTable, State
@@ -535,10 +535,7 @@ class Supervisor:
         (``publish_router(..., host=)``); '' when neither names one (an ipc:// socket, say)."""
         if not self.worker_address.startswith("tcp://"):
             return ""
-        parsed = split_host_port(self.worker_address[len("tcp://"):])
-        if parsed is None or parsed[0] in ("0.0.0.0", "::", "*", ""):
-            return self.advertised_host
-        return parsed[0]
+        return bound_host(self.worker_address) or self.advertised_host
 
     @property
     def metrics_address(self) -> str | None:

@@ -98,6 +98,19 @@ def split_host_port(text: str, *, any_port: bool = False) -> tuple[str, int] | N
     return host, int(port)
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "*", "::", ""})
+"""Hosts of a bind address that listen on every interface: no address to dial."""
+
+
+def bound_host(address: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` address (an IPv6 host without its brackets), '' for a
+    wildcard one (WILDCARD_HOSTS) and for any other scheme."""
+    if not address.startswith("tcp://"):
+        return ""
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return "" if host in WILDCARD_HOSTS else host
+
+
 def route_source(host: str) -> str | None:
     """This host's address on the route to ``host`` (a name or an IPv4 address; no packet is
     sent), or None when ``host`` does not resolve here or that route is a loopback one (the name
