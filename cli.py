@@ -101,11 +101,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("failed") == "0" and summary.get("weight update") != "failed" else 1
 
 
+def _nobody_serves(address: str) -> str | None:
+    """Why no process can be serving an ``ipc://`` address (its socket file is missing, or no
+    one listens on it), or None when one may (or the address is of another kind, or the probe
+    cannot tell: a directory this user may not enter, say)."""
+    import errno
+    import socket
+
+    from .transport.sockets import ipc_path
+
+    path = ipc_path(address)
+    if path is None:
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return None
+    except OSError as exc:
+        return {errno.ENOENT: "no such socket file",
+                errno.ECONNREFUSED: "a socket file no process serves"}.get(exc.errno)
+    finally:
+        probe.close()
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .actors.client import RemoteClient
 
     if args.keys_dir is not None and not os.path.isdir(args.keys_dir):  # a bad option, as serve says it
         args.command_parser.error(f"--keys-dir {args.keys_dir}: not a directory (`rollfleet keys DIR` makes one)")
+
+    nobody = _nobody_serves(args.address)
+    if nobody is not None:  # no need to wait --timeout to know
+        print(f"rollfleet stats: {args.address}: no fleet serves it ({nobody})", file=sys.stderr)
+        return 1
 
     async def go() -> dict[str, Any]:
         keys = None
@@ -213,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Print the stats of a running fleet (e.g. one started by `rollfleet serve`): "
                                        "a table of its workers and a line of fleet counters, or with --json the "
                                        "whole stats map (PROTOCOL.md 6.5). Exit 1 when no answer comes within "
-                                       "--timeout.")
+                                       "--timeout, at once for an ipc:// address that no process serves.")
     stats.add_argument("address", type=fleet_address,
                        help="The fleet's frontend address, e.g. tcp://127.0.0.1:5555 or ipc:///path/to/socket.")
     stats.add_argument("--json", action="store_true", help="Print the raw stats map as JSON.")

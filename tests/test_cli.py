@@ -121,6 +121,20 @@ def test_stats_with_missing_keys_is_one_line(tmp_path):
     assert "rollfleet keys DIR" in out.stderr, out.stderr
 
 
+def test_stats_of_an_ipc_address_no_process_serves_says_so_at_once(tmp_path):
+    # Not after --timeout: a missing socket file, or one left by a process that died, has no fleet.
+    stale = tmp_path / "stale.sock"
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(stale))  # bound, never listened on, then closed: a file nobody answers on
+    left.close()
+    for path, why in ((tmp_path / "none.sock", "no such socket file"), (stale, "a socket file no process serves")):
+        start = time.monotonic()
+        out = run("stats", f"ipc://{path}", "--timeout", "30")
+        assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        assert f"ipc://{path}: no fleet serves it ({why})" in out.stderr, out.stderr
+        assert time.monotonic() - start < 25  # (generous: the command's start; the wait would be 30 s)
+
+
 @contextlib.contextmanager
 def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
     """Kill ``proc`` at the end of the block if it still runs (a failed check leaves no process)."""
