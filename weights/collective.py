@@ -41,7 +41,7 @@ def local_address(peer: str) -> str:
 def rendezvous_address(links: list, fleet_host: str = "") -> str:
     """Where the collective's workers dial this process's store: 127.0.0.1 when every one of them
     is on this host; else ``fleet_host`` (the host they reached the fleet's worker socket at, when
-    the fleet names one); else this host's address on the route to the first of their hosts that
+    the fleet names one other than a loopback one); else this host's address on the route to the first of their hosts that
     resolves here; else this host's fully qualified name. ``WeightSyncConfig.master_addr``, when
     set, goes before all of these."""
     from ..transport.sockets import route_source
@@ -50,8 +50,8 @@ def rendezvous_address(links: list, fleet_host: str = "") -> str:
     remote = [l.host for l in links if not is_local_host(l.host)]
     if not remote:
         return "127.0.0.1"
-    if fleet_host:
-        return fleet_host
+    if fleet_host and not (fleet_host.startswith("127.") or fleet_host in ("localhost", "::1")):
+        return fleet_host  # (a loopback one is no address of this host for them: a tunnel's, say)
     for host in remote:
         source = route_source(host)
         if source is not None:

@@ -30,9 +30,10 @@ class WeightSyncConfig:
     master_addr: str = ""
     """Address the workers use to reach this process's rendezvous store for the collective
     transport; '' means 127.0.0.1 when every collective worker is local, else the host of the
-    fleet's worker socket when it is bound to one (the address those workers dialled), else this
-    host's address on the route to the first of their hosts that resolves here, else this host's
-    fully qualified name (see weights.collective.rendezvous_address)."""
+    fleet's worker socket when it is bound to one that is not loopback (the address those
+    workers dialled; for a wildcard bind, the host it was published under), else this host's
+    address on the route to the first of their hosts that resolves here, else this host's fully
+    qualified name (see weights.collective.rendezvous_address)."""
     num_buffers: int = 0
     """Transfer buffers of an update (2 or more): the sender fills one while the engines load
     the others. 0: three when every buffer is in host memory (shm, zmq, gloo), so the sender

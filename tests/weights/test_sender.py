@@ -230,6 +230,8 @@ def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
     assert rendezvous_address(links("", "localhost", socket.gethostname()), "192.0.2.77") == "127.0.0.1"
     # a worker elsewhere: the host the fleet's worker socket is bound to, which it dialled
     assert rendezvous_address(links("", "elsewhere.invalid"), "192.0.2.77") == "192.0.2.77"
+    # a loopback worker host is none of this host's addresses for another host (a tunnel's)
+    assert rendezvous_address(links("elsewhere.invalid"), "127.0.0.1") == socket.getfqdn()
     # no such host known, and a name that does not resolve here: this host's name, the last resort
     assert rendezvous_address(links("elsewhere.invalid")) == socket.getfqdn()
     if OWN_IPV4 is not None:
