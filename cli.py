@@ -106,22 +106,11 @@ def _nobody_serves(address: str) -> str | None:
     one listens on it), or None when one may (or the address is of another kind, or the probe
     cannot tell: a directory this user may not enter, say)."""
     import errno
-    import socket
 
-    from .transport.sockets import ipc_path
+    from .transport.sockets import ipc_probe
 
-    path = ipc_path(address)
-    if path is None:
-        return None
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return None
-    except OSError as exc:
-        return {errno.ENOENT: "no such socket file",
-                errno.ECONNREFUSED: "a socket file no process serves"}.get(exc.errno)
-    finally:
-        probe.close()
+    return {errno.ENOENT: "no such socket file",
+            errno.ECONNREFUSED: "a socket file no process serves"}.get(ipc_probe(address))
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

@@ -87,13 +87,13 @@ class RouterPublication:
     """What ``publish_router`` leaves running: a thread that admits node keys as agents
     write them into the store, and marks the store closed when the supervisor shuts down."""
 
-    def __init__(self, store: Any, supervisor: Any, prefix: str, poll_s: float):
+    def __init__(self, store: Any, supervisor: Any, prefix: str, poll_s: float, address: str = ""):
         self.store = store
         self.supervisor = supervisor
         self.prefix = prefix
         self.poll_s = poll_s
         self.admitted: list[str] = []  # node names, in order of admission
-        self.address = ""  # the worker address published, as node agents dial it
+        self.address = address  # the worker address published, as node agents dial it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rollfleet-node-keys", daemon=True)
         self._thread.start()
@@ -200,9 +200,7 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         supervisor.advertised_host = host  # where those workers dial it: its collective updates' store too
     store.set(f"{prefix}/router", json.dumps(info))
     logger.info("published router %s under %r", info["address"], prefix)
-    publication = RouterPublication(store, supervisor, prefix, poll_s)
-    publication.address = info["address"]
-    return publication
+    return RouterPublication(store, supervisor, prefix, poll_s, info["address"])
 
 
 class NodeAgent:

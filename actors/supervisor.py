@@ -533,9 +533,7 @@ class Supervisor:
         """The host that workers on other hosts dial the worker socket at: the one it is bound to
         over TCP, or for a wildcard bind (0.0.0.0, ::, *) the host it was published under
         (``publish_router(..., host=)``); '' when neither names one (an ipc:// socket, say)."""
-        if not self.worker_address.startswith("tcp://"):
-            return ""
-        return bound_host(self.worker_address) or self.advertised_host
+        return bound_host(self.worker_address) or self.advertised_host  # (published: a tcp:// one)
 
     @property
     def metrics_address(self) -> str | None:

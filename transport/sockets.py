@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["SocketOptions", "make_socket", "ipc_path", "ipc_in_use", "split_host_port", "join_host_port"]
+__all__ = ["SocketOptions", "make_socket", "ipc_path", "ipc_probe", "ipc_in_use", "split_host_port", "join_host_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,18 +135,26 @@ def ipc_path(addr: str) -> str | None:
     return addr[len("ipc://"):]
 
 
+def ipc_probe(addr: str) -> int | None:
+    """Connect to the socket file of an ``ipc://`` address and hang up: 0 when a process serves
+    it, else the connect's errno (ENOENT: no such file; ECONNREFUSED: a file nobody answers on,
+    left by a process that died; EACCES: not this user's to reach, ...). None for another scheme
+    or an abstract name."""
+    path = ipc_path(addr)
+    if path is None:
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return 0
+    except OSError as exc:
+        return exc.errno
+    finally:
+        probe.close()
+
+
 def ipc_in_use(addr: str) -> bool:
     """Whether a live process serves the socket file of an ``ipc://`` address. ZeroMQ binds over
     a file that exists, taking the address from whoever served it: check first. A file nobody
     answers on (left by a process that died) is not in use."""
-    path = ipc_path(addr)
-    if path is None or not os.path.exists(path):
-        return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
+    return ipc_probe(addr) == 0
