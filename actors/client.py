@@ -117,10 +117,7 @@ class _Expired(Exception):
 async def _before(waiting: Awaitable[Any], timeout: float | None, request_id: str | None) -> None:
     """Wait for what a request waits for before it goes (a RemoteClient's ``hello``) within
     the request's own timeout, which counts from the call: a fleet that does not answer fails
-    the call when its timeout says, not after ``call_timeout_s``."""
-    if timeout is None:
-        await waiting
-        return
+    the call when its timeout says, not after ``call_timeout_s``. ``None``: no limit."""
     try:
         await wait_within(waiting, timeout)
     except asyncio.TimeoutError:
