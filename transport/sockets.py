@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 from typing import Any
@@ -110,17 +111,37 @@ def bound_host(address: str) -> str:
     return "" if host in WILDCARD_HOSTS else host
 
 
+def route_to(host: str) -> str | None:
+    """This host's address on the route to ``host`` (a name, an IPv4 or an IPv6 address; no
+    packet is sent), a loopback one included; None when ``host`` does not resolve here or no
+    route leads to it. A name with both kinds of address is taken by its IPv4 ones first."""
+    try:
+        found = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    found.sort(key=lambda info: info[0] != socket.AF_INET)  # (stable: the resolver's order within each)
+    for family, _, _, _, sockaddr in found:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError:
+                continue
+    return None
+
+
 def route_source(host: str) -> str | None:
-    """This host's address on the route to ``host`` (a name or an IPv4 address; no packet is
-    sent), or None when ``host`` does not resolve here or that route is a loopback one (the name
-    stands for this host, or /etc/hosts maps it to 127.x: no address other hosts can dial)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            source = s.getsockname()[0]
-        except (OSError, UnicodeError):
-            return None
-    return None if source.startswith("127.") else source
+    """``route_to(host)`` when other hosts can dial it: None for a loopback one (the name stands
+    for this host, or /etc/hosts maps it to 127.x) and for an IPv6 link-local one (it means
+    nothing without this host's interface, which theirs do not share)."""
+    source = route_to(host)
+    if source is None:
+        return None
+    try:
+        ip = ipaddress.ip_address(source.partition("%")[0])
+    except ValueError:
+        return None
+    return None if ip.is_loopback or ip.is_link_local else source
 
 
 def join_host_port(host: str, port: int | str) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..transport.sockets import route_source, route_to
+
 __all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address",
            "rendezvous_address"]
 
@@ -30,12 +32,7 @@ def local_address(peer: str) -> str:
     """The address of this host on the route to ``peer`` (no packet is sent)."""
     if peer in ("127.0.0.1", "localhost"):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((peer, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+    return route_to(peer) or socket.gethostbyname(socket.gethostname())
 
 
 def rendezvous_address(links: list, fleet_host: str = "") -> str:
@@ -44,7 +41,6 @@ def rendezvous_address(links: list, fleet_host: str = "") -> str:
     the fleet names one other than a loopback one); else this host's address on the route to the first of their hosts that
     resolves here; else this host's fully qualified name. ``WeightSyncConfig.master_addr``, when
     set, goes before all of these."""
-    from ..transport.sockets import route_source
     from .config import is_local_host
 
     remote = [l.host for l in links if not is_local_host(l.host)]

@@ -1,6 +1,12 @@
 """Address helpers of transport.sockets."""
 
-from rollfleet.transport.sockets import join_host_port, split_host_port
+import ipaddress
+import socket
+
+import psutil
+import pytest
+
+from rollfleet.transport.sockets import join_host_port, route_source, route_to, split_host_port
 
 
 def test_host_port_is_split_and_joined_with_ipv6_hosts_in_brackets():
@@ -13,3 +19,43 @@ def test_host_port_is_split_and_joined_with_ipv6_hosts_in_brackets():
     assert join_host_port("::1", 5) == "[::1]:5" and join_host_port("node-a", "*") == "node-a:*"
     for host, port in (("::1", 5), ("node-a", 0)):
         assert split_host_port(join_host_port(host, port)) == (host, port)
+
+
+def _own(family: int, link_local: bool = False) -> tuple[str, str] | None:
+    """(an address of this machine of ``family``, its interface), not loopback; IPv6 link-local
+    ones only with ``link_local``, global ones only without."""
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family != family:
+                continue
+            ip = ipaddress.ip_address(a.address.partition("%")[0])
+            if not ip.is_loopback and ip.is_link_local == link_local:
+                return ip.compressed, name
+    return None
+
+
+OWN_V4, OWN_V6, LINK_LOCAL = _own(socket.AF_INET), _own(socket.AF_INET6), _own(socket.AF_INET6, True)
+
+
+def test_the_route_to_a_host_that_does_not_resolve_or_to_this_one_on_loopback_is_none():
+    assert route_to("does-not-resolve.invalid") is None and route_source("does-not-resolve.invalid") is None
+    assert route_to("127.0.0.1") == "127.0.0.1" and route_source("127.0.0.1") is None
+    assert route_source("localhost") is None and route_source("::1") is None
+
+
+@pytest.mark.skipif(OWN_V4 is None, reason="this machine has no IPv4 address but loopback")
+def test_the_route_to_an_own_ipv4_address_starts_at_it():
+    assert route_to(OWN_V4[0]) == OWN_V4[0] and route_source(OWN_V4[0]) == OWN_V4[0]
+
+
+@pytest.mark.skipif(OWN_V6 is None, reason="this machine has no global IPv6 address")
+def test_the_route_to_an_ipv6_host_is_an_ipv6_address():
+    assert route_to(OWN_V6[0]) == OWN_V6[0] and route_source(OWN_V6[0]) == OWN_V6[0]
+
+
+@pytest.mark.skipif(LINK_LOCAL is None, reason="this machine has no IPv6 link-local address")
+def test_a_link_local_source_is_no_address_for_other_hosts():
+    address, interface = LINK_LOCAL
+    source = route_to(f"{address}%{interface}")
+    assert source is not None and source.startswith("fe80:")  # the route exists ...
+    assert route_source(f"{address}%{interface}") is None  # ... but names this host's interface

@@ -1,6 +1,7 @@
 """Sender and receiver in one process over LocalLink (every message through the wire codec)."""
 
 import asyncio
+import ipaddress
 import socket
 from types import SimpleNamespace
 
@@ -210,16 +211,20 @@ def _store_addr(link) -> str:
     return begins[-1].options["addr"]
 
 
-def _own_ipv4() -> str | None:
-    """One of this machine's IPv4 addresses other than loopback, as its interfaces list them."""
+def _own_address(family: int) -> str | None:
+    """One of this machine's addresses of ``family`` other than loopback (and, for IPv6, other
+    than link-local), as its interfaces list them."""
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
-            if address.family == socket.AF_INET and not address.address.startswith("127."):
-                return address.address
+            if address.family == family:
+                ip = ipaddress.ip_address(address.address.partition("%")[0])
+                if not (ip.is_loopback or ip.is_link_local):
+                    return ip.compressed
     return None
 
 
-OWN_IPV4 = _own_ipv4()
+OWN_IPV4 = _own_address(socket.AF_INET)
+OWN_IPV6 = _own_address(socket.AF_INET6)
 
 
 def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
@@ -232,30 +237,36 @@ def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
     assert rendezvous_address(links("", "elsewhere.invalid"), "192.0.2.77") == "192.0.2.77"
     # a loopback worker host is none of this host's addresses for another host (a tunnel's)
     assert rendezvous_address(links("elsewhere.invalid"), "127.0.0.1") == socket.getfqdn()
+    assert rendezvous_address(links("elsewhere.invalid"), "::1") == socket.getfqdn()
     # no such host known, and a name that does not resolve here: this host's name, the last resort
     assert rendezvous_address(links("elsewhere.invalid")) == socket.getfqdn()
-    if OWN_IPV4 is not None:
-        # a host that resolves: this host's address on the route to it (here one of this
-        # machine's own addresses, whose route starts at itself), never a loopback one
-        assert rendezvous_address(links("elsewhere.invalid", OWN_IPV4)) == OWN_IPV4
+    for own in (OWN_IPV4, OWN_IPV6):
+        if own is not None:
+            # a host that resolves: this host's address on the route to it (here one of this
+            # machine's own addresses, whose route starts at itself), never a loopback one
+            assert rendezvous_address(links("elsewhere.invalid", own)) == own
 
 
-@pytest.mark.skipif(OWN_IPV4 is None, reason="this machine has no IPv4 address but loopback")
+@pytest.mark.parametrize("own", [
+    pytest.param(OWN_IPV4, id="ipv4", marks=pytest.mark.skipif(OWN_IPV4 is None, reason="no IPv4 address but loopback")),
+    pytest.param(OWN_IPV6, id="ipv6", marks=pytest.mark.skipif(OWN_IPV6 is None, reason="no global IPv6 address")),
+])
 @pytest.mark.parametrize("fleet_host", ["", "own"])
-async def test_a_remote_worker_is_given_a_store_address_it_can_dial_without_master_addr(fleet_host):
+async def test_a_remote_worker_is_given_a_store_address_it_can_dial_without_master_addr(fleet_host, own):
     """Without master_addr, the worker is sent a store address that reaches this host from its
     own (the fleet's worker host, or the address on the route to the worker), and the group forms
-    there: not this host's name, which on many machines resolves to 127.0.x.x only."""
+    there: not this host's name, which on many machines resolves to 127.0.x.x only. Over IPv6 as
+    over IPv4: the store, and gloo's device on each side, take the address as it is."""
     weights = make_weights(big_bytes=5000)
     link, engine = local("b")
     # Not this host by name (is_local_host), so collective: a name that does not resolve here
     # (the fleet's host is all there is to go by), or an address that does.
-    link.host = "elsewhere.invalid" if fleet_host else OWN_IPV4
+    link.host = "elsewhere.invalid" if fleet_host else own
     cfg = WeightSyncConfig(bucket_bytes=2048, timeout_s=30)
     assert choose_transport(link, cfg) == "collective"
-    report = await WeightSender(cfg, fleet_host=OWN_IPV4 if fleet_host else "").update(weights, 4, [link])
+    report = await WeightSender(cfg, fleet_host=own if fleet_host else "").update(weights, 4, [link])
     assert report.workers["b"].transport == "collective" and report.workers["b"].ok
-    assert _store_addr(link) == OWN_IPV4
+    assert _store_addr(link) == own
     assert engine.digests() == {n: digest(t) for n, t in weights}
 
 
