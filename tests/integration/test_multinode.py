@@ -51,23 +51,28 @@ def _why_no_netns() -> str | None:
 
 
 class Namespace:
-    """A second 'host': namespace ``name`` with 10.213.N.2/30, reached from here at 10.213.N.1."""
+    """A second 'host': namespace ``name`` with 10.213.N.2/30, reached from here at 10.213.N.1;
+    with ``ipv6``, joined over IPv6 only: fd13:0:0:N::2/64, reached at fd13:0:0:N::1."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipv6: bool = False) -> None:
         tag = f"{os.getpid() % 10000}{random.randrange(100)}"
         self.name = f"rfnode{tag}"
         self.veth = f"rfv{tag}"
         net = random.randrange(1, 255)
         self.host_ip, self.node_ip = f"10.213.{net}.1", f"10.213.{net}.2"
+        self.prefix = 30
+        if ipv6:
+            self.host_ip, self.node_ip, self.prefix = f"fd13:0:0:{net:x}::1", f"fd13:0:0:{net:x}::2", 64
 
     def __enter__(self) -> "Namespace":
         try:
             _ip("netns", "add", self.name)
             _ip("link", "add", self.veth, "type", "veth", "peer", "name", self.veth + "n")
             _ip("link", "set", self.veth + "n", "netns", self.name)
-            _ip("addr", "add", f"{self.host_ip}/30", "dev", self.veth)
+            dad = ["nodad"] if ":" in self.host_ip else []  # (usable at once, not after duplicate detection)
+            _ip("addr", "add", f"{self.host_ip}/{self.prefix}", "dev", self.veth, *dad)
             _ip("link", "set", self.veth, "up")
-            _ip("-n", self.name, "addr", "add", f"{self.node_ip}/30", "dev", self.veth + "n")
+            _ip("-n", self.name, "addr", "add", f"{self.node_ip}/{self.prefix}", "dev", self.veth + "n", *dad)
             _ip("-n", self.name, "link", "set", self.veth + "n", "up")
             _ip("-n", self.name, "link", "set", "lo", "up")
         except BaseException:
@@ -233,6 +238,59 @@ async def test_remote_node_serves_and_takes_weights_over_collective(tmp_path):
             while ns.pids() and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert ns.pids() == [], "processes left in the node's namespace"
+        finally:
+            if agent is not None and agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(timeout=10)
+            del store
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"multi-node test skipped: {WHY_NOT}")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bind", ["bound", "wildcard"])
+async def test_a_node_reached_over_ipv6_only_serves_and_takes_weights_over_collective(tmp_path, bind):
+    """The two hosts share no IPv4 network: the store, the worker socket (CurveZMQ), and the
+    collective's rendezvous and gloo group all go over IPv6, with no master_addr given. A
+    wildcard bind (``[::]``) is published, and the store dialled, at this host's address on the
+    route to the store's host."""
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    agent_log = str(tmp_path / "agent.log")
+    with Namespace(ipv6=True) as ns:
+        store = torch.distributed.TCPStore(ns.host_ip, 0, None, True, datetime.timedelta(seconds=30),
+                                           wait_for_workers=False)
+        node = f"{ns.name}-host"
+        config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://[{ns.host_ip if bind == 'bound' else '::'}]:0",
+                             curve_keys_dir=keys, accept_remote_workers=True, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0,
+                             weights={"bucket_bytes": 1 << 16, "timeout_s": 30.0})
+        agent = None
+        try:
+            async with Supervisor(config) as sup:
+                publication = publish_router(store, sup)
+                with open(agent_log, "ab") as log:
+                    agent = subprocess.Popen(
+                        ["ip", "netns", "exec", ns.name, sys.executable, "-m", "rollfleet.actors.node",
+                         "--store", f"[{ns.host_ip}]:{store.port}", "--workers", "1", "--name", node,
+                         "--timeout", "30"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+                def remote_ready():
+                    return [h for h in sup.ready_workers() if "/" in h.worker_id]
+
+                await _until(lambda: remote_ready(), 60, "the remote worker to register over IPv6", agent_log)
+                (remote,) = remote_ready()
+                assert remote.pid in ns.pids() and sup.worker_host == ns.host_ip
+
+                report = await sup.update_weights([("offset", torch.tensor([4]))], version=1)
+                assert report.ok, report
+                assert report.workers[remote.worker_id].transport == "collective"
+                client = sup.client()
+                prompt = [5, 6, 7]
+                sup.router.set_available(next(w for w in sup.workers if w != remote.worker_id), False)
+                r = await client.generate("v6", prompt, SamplingParams(max_tokens=6))
+                assert r.worker == remote.worker_id
+                assert r.token_ids == expected_tokens(prompt, 6, offset=4) and r.weight_versions == [1]
+            assert agent.wait(timeout=20) == 0, open(agent_log).read()[-3000:]
+            publication.close()
         finally:
             if agent is not None and agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
