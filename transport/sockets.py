@@ -141,6 +141,7 @@ def route_source(host: str) -> str | None:
         ip = ipaddress.ip_address(source.partition("%")[0])
     except ValueError:
         return None
+    ip = getattr(ip, "ipv4_mapped", None) or ip  # (::ffff:127.0.0.1 is loopback too)
     return None if ip.is_loopback or ip.is_link_local else source
 
 
