@@ -38,9 +38,9 @@ def local_address(peer: str) -> str:
 def rendezvous_address(links: list, fleet_host: str = "") -> str:
     """Where the collective's workers dial this process's store: 127.0.0.1 when every one of them
     is on this host; else ``fleet_host`` (the host they reached the fleet's worker socket at, when
-    the fleet names one other than a loopback one); else this host's address on the route to the first of their hosts that
-    resolves here; else this host's fully qualified name. ``WeightSyncConfig.master_addr``, when
-    set, goes before all of these."""
+    the fleet names one other than a loopback one); else this host's address (IPv4 or IPv6) on
+    the route to the first of their hosts that resolves here; else this host's fully qualified
+    name. ``WeightSyncConfig.master_addr``, when set, goes before all of these."""
     from .config import is_local_host
 
     remote = [l.host for l in links if not is_local_host(l.host)]

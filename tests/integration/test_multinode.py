@@ -260,8 +260,9 @@ async def test_a_node_reached_over_ipv6_only_serves_and_takes_weights_over_colle
         store = torch.distributed.TCPStore(ns.host_ip, 0, None, True, datetime.timedelta(seconds=30),
                                            wait_for_workers=False)
         node = f"{ns.name}-host"
-        config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://[{ns.host_ip if bind == 'bound' else '::'}]:0",
-                             curve_keys_dir=keys, accept_remote_workers=True, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0,
+        host = ns.host_ip if bind == "bound" else "::"
+        config = FleetConfig(engine="echo", num_workers=1, worker_addr=f"tcp://[{host}]:0", curve_keys_dir=keys,
+                             accept_remote_workers=True, heartbeat_interval_s=0.5, heartbeat_timeout_s=20.0,
                              weights={"bucket_bytes": 1 << 16, "timeout_s": 30.0})
         agent = None
         try:

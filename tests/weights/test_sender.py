@@ -248,7 +248,8 @@ def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
 
 
 @pytest.mark.parametrize("own", [
-    pytest.param(OWN_IPV4, id="ipv4", marks=pytest.mark.skipif(OWN_IPV4 is None, reason="no IPv4 address but loopback")),
+    pytest.param(OWN_IPV4, id="ipv4",
+                 marks=pytest.mark.skipif(OWN_IPV4 is None, reason="no IPv4 address but loopback")),
     pytest.param(OWN_IPV6, id="ipv6", marks=pytest.mark.skipif(OWN_IPV6 is None, reason="no global IPv6 address")),
 ])
 @pytest.mark.parametrize("fleet_host", ["", "own"])
