@@ -130,19 +130,32 @@ def route_to(host: str) -> str | None:
     return None
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address (an IPv4-mapped IPv6 one as its IPv4 address, a ``%scope``
+    dropped); None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost``, a host starting ``127.``, and any loopback address (``::1``,
+    ``::ffff:127.0.0.1``): no address of this host that other hosts can dial."""
+    if host == "localhost" or host.startswith("127."):
+        return True
+    ip = _ip(host)
+    return ip is not None and ip.is_loopback
+
+
 def route_source(host: str) -> str | None:
     """``route_to(host)`` when other hosts can dial it: None for a loopback one (the name stands
     for this host, or /etc/hosts maps it to 127.x) and for an IPv6 link-local one (it means
     nothing without this host's interface, which theirs do not share)."""
     source = route_to(host)
-    if source is None:
-        return None
-    try:
-        ip = ipaddress.ip_address(source.partition("%")[0])
-    except ValueError:
-        return None
-    ip = getattr(ip, "ipv4_mapped", None) or ip  # (::ffff:127.0.0.1 is loopback too)
-    return None if ip.is_loopback or ip.is_link_local else source
+    ip = None if source is None else _ip(source)
+    return None if ip is None or ip.is_loopback or ip.is_link_local else source
 
 
 def join_host_port(host: str, port: int | str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..transport.sockets import route_source, route_to
+from ..transport.sockets import is_loopback_host, route_source, route_to
 
 __all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address",
            "rendezvous_address"]
@@ -46,7 +46,7 @@ def rendezvous_address(links: list, fleet_host: str = "") -> str:
     remote = [l.host for l in links if not is_local_host(l.host)]
     if not remote:
         return "127.0.0.1"
-    if fleet_host and not (fleet_host.startswith("127.") or fleet_host in ("localhost", "::1")):
+    if fleet_host and not is_loopback_host(fleet_host):
         return fleet_host  # (a loopback one is no address of this host for them: a tunnel's, say)
     for host in remote:
         source = route_source(host)

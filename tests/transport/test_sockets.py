@@ -6,7 +6,7 @@ import socket
 import psutil
 import pytest
 
-from rollfleet.transport.sockets import join_host_port, route_source, route_to, split_host_port
+from rollfleet.transport.sockets import is_loopback_host, join_host_port, route_source, route_to, split_host_port
 
 
 def test_host_port_is_split_and_joined_with_ipv6_hosts_in_brackets():
@@ -61,3 +61,10 @@ def test_a_link_local_source_is_no_address_for_other_hosts():
     source = route_to(f"{address}%{interface}")
     assert source is not None and source.startswith("fe80:")  # the route exists ...
     assert route_source(f"{address}%{interface}") is None  # ... but names this host's interface
+
+
+def test_loopback_hosts_are_told_apart_from_addresses_other_hosts_dial():
+    for host in ("localhost", "127.0.0.1", "127.0.1.1", "::1", "0:0::1", "::ffff:127.0.0.1", "127.1"):
+        assert is_loopback_host(host), host
+    for host in ("10.0.0.1", "fd00::2", "::ffff:10.0.0.1", "node-a", "", "fe80::1%eth0"):
+        assert not is_loopback_host(host), host

@@ -238,6 +238,7 @@ def test_the_collective_store_address_defaults_to_one_the_workers_can_dial():
     # a loopback worker host is none of this host's addresses for another host (a tunnel's)
     assert rendezvous_address(links("elsewhere.invalid"), "127.0.0.1") == socket.getfqdn()
     assert rendezvous_address(links("elsewhere.invalid"), "::1") == socket.getfqdn()
+    assert rendezvous_address(links("elsewhere.invalid"), "::ffff:127.0.0.1") == socket.getfqdn()
     # no such host known, and a name that does not resolve here: this host's name, the last resort
     assert rendezvous_address(links("elsewhere.invalid")) == socket.getfqdn()
     for own in (OWN_IPV4, OWN_IPV6):
