@@ -21,7 +21,10 @@ that an update ended), ``failed_typed`` (a typed RolloutError),
 supervisor's worker restarts), ``updates_ok``, ``updates_failed``, ``requests_per_s``,
 ``orphans`` (worker processes alive after shutdown), ``leaked_shm`` (rollfleet segments left in
 /dev/shm), ``private_dir_left`` (the supervisor's private directory still there),
-``supervisor_rss_growth_mb``, ``error_codes`` (a "code=count, ..." string, "-" when none),
+``supervisor_rss_growth_mb`` (the bench process's RSS, which holds the supervisor, from the start of
+the load to its end), ``supervisor_rss_growth_second_half_mb`` (the same over the load's second half
+alone, where one-time allocations such as the first weight update's buffers no longer show; a leak
+per request still does), ``error_codes`` (a "code=count, ..." string, "-" when none),
 ``quick``, ``passed`` (nothing lost, wrong or left behind); and the machine facts ``machine_*``
 of bench/common.py (``MACHINE_KEYS``), read before the load starts.
 """
@@ -169,8 +172,13 @@ class Soak:
         t0 = time.monotonic()
         tasks = [asyncio.create_task(self.load(client)) for _ in range(args.concurrency)]
         tasks += [asyncio.create_task(self.chaos(sup)), asyncio.create_task(self.updates(client))]
+        rss_half: int | None = None
         try:
-            await asyncio.sleep(args.duration)
+            # RSS at half time too: what the first weight updates and the fleet's first restarts
+            # allocate once lands in the first half; a per-request leak grows in both.
+            await asyncio.sleep(args.duration / 2)
+            rss_half = me.memory_info().rss
+            await asyncio.sleep(args.duration / 2)
         finally:
             self.stop.set()
             done, pending = await asyncio.wait(tasks, timeout=args.timeout + 30)
@@ -202,6 +210,7 @@ class Soak:
             "requests_per_s": round(total / elapsed, 1) if elapsed else 0.0,
             "orphans": len(orphans), "leaked_shm": len(leaked), "private_dir_left": os.path.exists(private_dir),
             "supervisor_rss_growth_mb": round((rss1 - rss0) / 2**20, 1),
+            "supervisor_rss_growth_second_half_mb": round((rss1 - rss_half) / 2**20, 1) if rss_half is not None else None,
             "error_codes": ", ".join(f"{k}={v}" for k, v in sorted(self.errors.items())) or "-",
             "quick": bool(args.quick),
         }

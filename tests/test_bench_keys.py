@@ -193,3 +193,4 @@ def test_soak_documents_every_key_it_writes(tmp_path):
     m = json.loads(out.read_text())
     check_keys("soak", m)
     assert m["passed"] is True and m["requests"] > 0 and m["updates_ok"] > 0
+    assert type(m["supervisor_rss_growth_second_half_mb"]) is float
