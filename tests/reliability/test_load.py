@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
+import tracemalloc
 
 import psutil
 import pytest
@@ -65,6 +67,60 @@ async def test_10k_concurrent_requests_over_4_echo_workers_complete_with_bounded
         # Two more waves of 10k after the warm-up: per-request leftovers would show as tens of MiB.
         assert grown < 64, f"supervisor + workers grew by {grown:.1f} MiB"
     assert_clean(sup.private_dir, pids)
+
+
+@pytest.mark.slow
+async def test_the_python_objects_a_fleet_and_a_remote_client_keep_do_not_grow_with_requests():
+    # Finer than RSS: what this process (the supervisor, its in-process client and a RemoteClient)
+    # still holds, as tracemalloc counts it, after 40k more requests than a warm-up made. Sessions
+    # (reused), streams, aborts and both client paths are in the mix; 1 MiB over 40k requests is
+    # 26 bytes a request, far below any per-request leftover (an entry, an id, a sink).
+    sup = fleet(2, max_sticky=2000, engine_options={"tokens_per_s": 20_000})  # 5 tokens: 0.25 ms
+    aborted = 0
+    async with sup:
+        local = sup.client()
+        async with RemoteClient(sup.frontend_address) as remote:
+            ids = itertools.count()
+
+            async def lane(client, n):
+                nonlocal aborted
+                for _ in range(n):
+                    i = next(ids)
+                    prompt, tokens = [i % 97 + 1, 3], 1 + i % 5
+                    params = SamplingParams(max_tokens=tokens)
+                    if i % 50 == 7:
+                        *chunks, last = [c async for c in client.stream(f"s{i}", prompt, params)]
+                        assert [t for c in chunks for t in c.token_ids] == last.token_ids
+                        assert last.token_ids == expected_tokens(prompt, tokens)
+                    elif i % 50 == 9:
+                        pending = asyncio.create_task(client.generate(
+                            f"a{i}", prompt, SamplingParams(max_tokens=2_000), session_id=f"u{i % 13}"))
+                        await asyncio.sleep(0.001)
+                        await client.abort(f"a{i}")  # (0.1 s of tokens: it is running, as a rule)
+                        finish = (await pending).finish_reason
+                        assert finish in ("abort", "length")
+                        aborted += finish == "abort"
+                    else:
+                        result = await client.generate(f"r{i}", prompt, params,
+                                                       session_id=f"u{i % 13}" if i % 3 == 0 else None)
+                        assert result.token_ids == expected_tokens(prompt, tokens), i
+
+            async def phase(n):
+                await asyncio.wait_for(asyncio.gather(*(lane(c, n) for c in (local, remote) for _ in range(32))), 600)
+                assert_empty(sup)
+
+            await phase(300)  # 19,200 requests: first-use allocations (codec caches, socket buffers)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                await phase(625)  # 40,000 requests
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - base
+            finally:
+                tracemalloc.stop()
+            assert grown < 2**20, f"{grown} bytes still held after 40,000 requests"
+            assert sup.counters["failed"] == 0 and aborted > 0
 
 
 @pytest.mark.slow
