@@ -1112,6 +1112,15 @@ async def test_a_client_flooding_stats_is_answered_overloaded_past_64_waiting_ca
             refused = await answers(flood, 36)  # at once: the 64 first wait for the stopped worker
             assert {(m["type"], m["code"]) for m in refused} == {("error", "overloaded")}
             assert sorted(int(m["id"][1:]) for m in refused) == list(range(MAX_CALLS_PER_CLIENT, MAX_CALLS_PER_CLIENT + 36))
+            # hello, abort_all and abort count toward no limit (PROTOCOL.md section 7): the same
+            # client, its 64 calls still waiting, has them answered at once.
+            for header in ({"type": "hello", "id": "h"}, {"type": "abort_all", "id": "aa"},
+                           {"type": "abort", "id": "a", "request_id": "nothing"}):
+                await flood.send(msgpack.packb({"v": 1, **header}))
+            quick = {m["id"]: m for m in await answers(flood, 3)}
+            assert quick["h"]["type"] == "reply" and quick["h"]["data"]["batch"] is False
+            assert quick["aa"]["type"] == "reply" and quick["aa"]["data"] == {"request_ids": []}
+            assert (quick["a"]["type"], quick["a"]["code"]) == ("error", "unknown_request")
             # Another client's calls are counted apart: not refused.
             await other.send(msgpack.packb({"v": 1, "type": "stats", "id": "mine"}))
             assert [(m["id"], m["type"]) for m in await answers(other, 1)] == [("mine", "reply")]

@@ -77,6 +77,16 @@ def test_unknown_keys_are_ignored_for_forward_compatibility():
     assert codec.decode([raw]) == Abort(id="a", request_id="r")
 
 
+def test_a_bin_value_is_skipped_in_an_unknown_field_and_the_wrong_type_in_a_known_one():
+    # PROTOCOL.md section 3: bin is no str, but in a field the receiver does not know it goes with the field.
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [1], "added_later": b"\x00\x01"},
+                        use_bin_type=True)
+    assert codec.decode([raw]) == Generate(id="g", prompt_ids=[1])
+    raw = msgpack.packb({"v": 1, "type": "generate", "id": "g", "prompt_ids": [1], "session_id": b"s"},
+                        use_bin_type=True)
+    assert _code(raw) == ("bad_field", "g")
+
+
 def _code(raw):
     with pytest.raises(codec.DecodeError) as info:
         codec.decode([raw])
