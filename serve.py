@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="echo only: tokens per second per request (default: as fast as possible).")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help="Once the fleet is ready, write the bound client address to PATH (removed as "
-                             "serve starts to shut down; if serve is killed outright, by its workers as they exit). The address is "
+                             "serve starts to shut down; if serve is killed outright, by its workers or its sentinel process). The address is "
                              "also printed as 'rollfleet serving on ADDR'.")
     parser.add_argument("--start-timeout", type=_seconds, default=120.0, metavar="SECONDS",
                         help="How long each worker may take to start its engine (default 120; inf: no "
@@ -360,7 +360,7 @@ async def serve(args: argparse.Namespace) -> int:
             published = publication.address
             print(f"rollfleet store on {join_host_port(store_host, store.port)} (workers {published})", flush=True)
         if model_dir is not None:
-            fleet.remove_with(model_dir)  # if this process is killed outright, its workers remove it
+            fleet.remove_with(model_dir)  # if this process is killed outright, its workers or sentinel remove it
         if args.ready_file:
             try:
                 _write_atomic(args.ready_file, address + "\n")

@@ -55,6 +55,7 @@ from .config import REPORT_INTERVAL_S, RestartPolicy
 from .handle import RestartTracker
 from .process import (WorkerProcess, claim_private_dir, device_env, remove_private_dir, sampling_seed, sweep_private_dirs,
                       sweep_stale_segments)
+from .sentinel import Sentinel
 
 __all__ = ["publish_router", "RouterPublication", "NodeAgent", "main", "add_arguments", "run", "DEFAULT_PREFIX"]
 
@@ -243,6 +244,7 @@ class NodeAgent:
         self.private_dir_root = private_dir_root
         self.supervisor_timeout_s = supervisor_timeout_s
         self.private_dir: str | None = None
+        self._sentinel: Sentinel | None = None
         self.procs: dict[int, WorkerProcess] = {}
         self._trackers = {i: RestartTracker() for i in range(num_workers)}
         self._restart_at: dict[int, float] = {}  # slot -> when to respawn it
@@ -283,6 +285,10 @@ class NodeAgent:
             # Owned as a supervisor's is: an agent killed with its workers (its process group sent
             # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
             claim_private_dir(self.private_dir)
+            try:  # it cleans up if this process dies with no worker alive to do it (actors.sentinel)
+                self._sentinel = Sentinel(self.private_dir)
+            except OSError as exc:
+                logger.warning("node %s: no sentinel process (%s)", self.node_id, exc)
             sweep_private_dirs(os.path.dirname(self.private_dir))
             sweep_stale_segments()
             with self._lock:
@@ -354,6 +360,9 @@ class NodeAgent:
             finally:
                 if self.private_dir:
                     remove_private_dir(self.private_dir)
+                sentinel, self._sentinel = self._sentinel, None
+                if sentinel is not None:
+                    sentinel.close()
                 self._stopped.set()
 
     # ------------------------------------------------------------------ workers

@@ -23,7 +23,7 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
-           "claim_private_dir", "sweep_private_dirs", "sweep_stale_segments", "remove_private_dir", "remove_with", "unlink_if_same",
+           "claim_private_dir", "sweep_private_dirs", "sweep_stale_segments", "remove_private_dir", "remove_with", "unlink_if_same", "unlink_segments_of",
            "sampling_seed"]
 
 logger = logging.getLogger(__name__)
@@ -186,8 +186,8 @@ def sweep_shm_lists(private_dir: str | None, everything: bool = False) -> list[s
 
 
 # A supervisor's private directory names its owner (``owner``: pid and start time), so that
-# a directory left by a supervisor that died while none of its workers lived to remove it (all
-# of them between restarts, say) is removed by the next supervisor that starts there.
+# a directory left by a supervisor that died while none of its workers, nor its sentinel
+# (actors.sentinel), lived to remove it is removed by the next supervisor that starts there.
 OWNER_FILE = "owner"
 
 
@@ -211,8 +211,8 @@ REMOVE_WITH_FILE = "remove-with"
 
 def remove_with(private_dir: str, path: str) -> None:
     """Have ``path`` (a file or directory) removed with ``private_dir``: by whoever removes the
-    directory (its supervisor's shutdown, its workers once that supervisor is gone, the sweep of
-    the next supervisor started beside it), if ``path`` is still the same file then."""
+    directory (its supervisor's shutdown, its workers or its sentinel once that supervisor is
+    gone, the sweep of the next supervisor started beside it), if ``path`` is still the same file then."""
     path = os.path.abspath(path)
     inode = os.lstat(path).st_ino
     with open(os.path.join(private_dir, REMOVE_WITH_FILE), "a", encoding="utf-8") as f:
@@ -245,6 +245,19 @@ def remove_private_dir(path: str) -> None:
     sweep_shm_lists(path, everything=True)
     _remove_listed(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def unlink_segments_of(pid: int) -> None:
+    """Unlink the weight-update segments a dead process created (``weights.shm`` names them
+    ``rf-<pid>-...``): it can no longer, and they hold memory until unlinked."""
+    prefix = f"rf-{pid}-"
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, name))
 
 
 def unlink_if_same(path: str, inode: int) -> None:

@@ -91,6 +91,7 @@ from .process import (
     unlink_shm,
 )
 from .router import Router
+from .sentinel import Sentinel
 from .updates import WeightSync
 
 __all__ = ["Supervisor"]
@@ -147,6 +148,7 @@ class _Leftovers:
         self.procs: set[Any] = set()
         self.private_dir: str | None = None
         self.frontend_file: tuple[str, int] | None = None
+        self.sentinel: Sentinel | None = None
 
     def __call__(self) -> None:
         logger.warning("a started fleet was collected without shutdown(): killing its workers")
@@ -165,6 +167,8 @@ class _Leftovers:
             unlink_if_same(*self.frontend_file)
         if self.private_dir:
             remove_private_dir(self.private_dir)
+        if self.sentinel is not None:
+            self.sentinel.release()
 
 
 def resume_seed(seed: int, num_tokens: int) -> int:
@@ -214,6 +218,7 @@ class Supervisor:
         self._wsock: Any = None
         self._fsock: Any = None
         self._frontend_file: tuple[str, int] | None = None  # an ipc:// frontend's socket file, inode
+        self._sentinel: Sentinel | None = None  # cleans up if this process dies with no worker left to
         self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
         self._client_calls: dict[bytes, int] = {}  # stats and control calls of each client not answered yet
         # identity -> [lease_s, deadline (time.monotonic())] of the clients that said hello with
@@ -280,6 +285,7 @@ class Supervisor:
             os.chmod(self.private_dir, 0o700)
             self._leftovers.private_dir = self.private_dir
             claim_private_dir(self.private_dir)
+            self._start_sentinel()
             sweep_private_dirs(os.path.dirname(self.private_dir))
             sweep_stale_segments()
             self._ctx = self._leftovers.ctx = zmq.Context()
@@ -321,8 +327,9 @@ class Supervisor:
                 path = ipc_path(self.frontend_address)
                 if path is not None:  # removed at shutdown if it is still this fleet's file
                     self._frontend_file = self._leftovers.frontend_file = (path, os.stat(path).st_ino)
-                    # ... and, if this process and its workers are killed together, by the next
-                    # fleet's sweep of this private directory (if no other fleet bound it since)
+                    # ... and, if this process and its workers are killed together, with this
+                    # private directory by its sentinel or the next fleet's sweep (if no other fleet
+                    # bound it since)
                     remove_with(self.private_dir, path)
             if cfg.metrics_port is not None:
                 self._metrics = MetricsExporter(cfg.metrics_port)
@@ -468,6 +475,29 @@ class Supervisor:
                 except BaseException:
                     pass
             self.release()
+            await self._reap_sentinel()
+
+    def _start_sentinel(self) -> None:
+        """Start the process that cleans up after this one if it dies with no worker alive to do
+        it (actors.sentinel). Without one (it could not be started), the workers and the next
+        fleet's sweep still do."""
+        assert self.private_dir is not None
+        try:
+            self._sentinel = self._leftovers.sentinel = Sentinel(self.private_dir)
+        except OSError as exc:
+            logger.warning("no sentinel process for %s (%s): if this process dies with no worker alive, "
+                           "the next fleet started beside it removes what it leaves", self.private_dir, exc)
+
+    async def _reap_sentinel(self) -> None:
+        """Wait for the released sentinel to exit (it has nothing to do), so that no process of
+        this fleet outlives its shutdown; one that does not within seconds is killed."""
+        sentinel, self._sentinel = self._sentinel, None
+        if sentinel is None:
+            return
+        deadline = time.monotonic() + 10.0
+        while not sentinel.exited() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        sentinel.kill()
 
     def release(self) -> None:
         """Close the sockets, the authenticator, the metrics endpoint and the ZeroMQ context,
@@ -492,6 +522,8 @@ class Supervisor:
             remove_private_dir(self.private_dir)
         # workers killed at the end of the grace period leave their OpenMP registration
         unlink_shm(kmp_names([h.pid for h in self.slots.values() if isinstance(h.proc, WorkerProcess)]))
+        if self._sentinel is not None:
+            self._sentinel.release()  # all is clean: it exits (shutdown waits for it)
         self._closed = True
 
     def _unlink_socket_files(self) -> None:
@@ -518,12 +550,15 @@ class Supervisor:
                     handle.proc.close()
         if self.private_dir:
             remove_private_dir(self.private_dir)
+        if self._sentinel is not None:
+            self._sentinel.release()
 
     def remove_with(self, path: str) -> None:
         """Remove ``path`` (a file or directory this process made for the fleet: a ready file, a
         model written for it) when the fleet goes: at shutdown, or, if this process dies without
-        one (SIGKILL), by its workers as they exit, or else by the next fleet started with the
-        same ``private_dir_root``. Left alone if another file has taken its place by then."""
+        one (SIGKILL), by its workers as they exit or by its sentinel, or else by the next fleet
+        started with the same ``private_dir_root``. Left alone if another file has taken its place
+        by then."""
         if self.private_dir is None or self.closed:
             raise RuntimeError("remove_with needs a started, open fleet")
         remove_with(self.private_dir, path)

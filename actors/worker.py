@@ -64,6 +64,7 @@ from .process import (
     record_shm,
     remove_private_dir,
     unlink_if_same,
+    unlink_segments_of,
     unlink_shm,
 )
 
@@ -688,7 +689,7 @@ def _on_parent_death(config: dict[str, Any], why: str) -> None:
             cleanup()
         except Exception:
             pass
-    _unlink_segments_of(int(config.get("parent_pid", 0)))
+    unlink_segments_of(int(config.get("parent_pid", 0)))
     frontend = config.get("frontend_file")
     if frontend:
         unlink_if_same(*frontend)  # still that supervisor's socket file
@@ -712,21 +713,6 @@ def _parent_dying(parent: int) -> bool:
         return True
     except psutil.Error:
         return False
-
-
-def _unlink_segments_of(pid: int) -> None:
-    """Unlink the weight-update segments a dead process created (``weights.shm`` names them
-    ``rf-<pid>-...``): it can no longer, and they hold memory until unlinked."""
-    prefix = f"rf-{pid}-"
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
 
 
 def _on_sigterm(config: dict[str, Any], name: str = "SIGTERM") -> None:

@@ -1,12 +1,16 @@
-"""Helpers shared by the test folders: waiting, and a stand-in fleet frontend."""
+"""Helpers shared by the test folders: waiting, a process's workers and sentinel, and a stand-in
+fleet frontend."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -30,6 +34,47 @@ def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
             return True
         time.sleep(0.05)
     return cond()
+
+
+def worker_children(pid):
+    """The worker processes (``python -m rollfleet.actors.boot``) the process ``pid`` started."""
+    out = []
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.Error):
+            if "rollfleet.actors.boot" in " ".join(child.cmdline()):
+                out.append(child)
+    return out
+
+
+def sentinel_of(pid):
+    """The pid of the sentinel process (actors.sentinel) that the process ``pid`` started, or None."""
+    try:
+        for child in psutil.Process(pid).children():
+            with contextlib.suppress(psutil.Error):
+                if "rollfleet.actors.sentinel" in " ".join(child.cmdline()):
+                    return child.pid
+    except psutil.NoSuchProcess:
+        pass
+    return None
+
+
+def kill_sentinel(pid):
+    """SIGKILL the sentinel of the process ``pid`` (as a kill of every process of the job, a
+    container stopped, say, takes it too) and wait until it is gone; returns its pid."""
+    sentinel = sentinel_of(pid)
+    assert sentinel is not None, f"process {pid} has no sentinel"
+    os.kill(sentinel, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(sentinel).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"sentinel {sentinel} outlived SIGKILL")
+    return sentinel
 
 
 @contextlib.asynccontextmanager

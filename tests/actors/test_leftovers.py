@@ -1,6 +1,9 @@
 """Shared memory that engines' own processes make through Python's multiprocessing must not
-outlive them when they are killed (actors/process.py). Real processes, real /dev/shm."""
+outlive them when they are killed (actors/process.py), and what a fleet's process leaves goes
+with its private directory (the sweep, the sentinel: actors/sentinel.py). Real processes, real
+/dev/shm."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -142,3 +145,46 @@ def test_paths_asked_to_go_with_a_dead_supervisors_dir_go_with_it_unless_replace
     assert [os.path.basename(p) for p in sweep_private_dirs(str(root))] == ["rollfleet-dead"]
     assert not private.exists() and not ready.exists() and not model.exists()
     assert replaced.read_text() == "a new file in its place" and kept.exists()
+
+
+def test_a_released_sentinel_exits_and_removes_nothing(tmp_path):
+    from rollfleet.actors.process import claim_private_dir
+    from rollfleet.actors.sentinel import Sentinel
+
+    private = tmp_path / "rollfleet-x"
+    private.mkdir()
+    claim_private_dir(str(private))
+    sentinel = Sentinel(str(private))
+    assert os.getpgid(sentinel.pid) != os.getpgid(0)  # a signal to this process group does not reach it
+    sentinel.close(timeout=30)
+    assert sentinel.exited() and sentinel.popen.returncode == 0
+    assert private.exists() and (private / "owner").exists()
+
+
+def test_a_sentinel_whose_pipe_closes_unasked_removes_the_dir_but_spares_its_living_parents_segments(tmp_path):
+    # The pipe's end closed without the word (here by hand; in life with the supervisor's process,
+    # however it ended): the directory and what it lists go. Shared memory named after its parent
+    # goes only once that process is gone: this one lives on (another fleet of it may be using it).
+    from rollfleet.actors.process import claim_private_dir, remove_with
+    from rollfleet.actors.sentinel import Sentinel
+
+    private = tmp_path / "rollfleet-x"
+    private.mkdir()
+    claim_private_dir(str(private))
+    (private / "workers.sock").write_text("")
+    ready = tmp_path / "ready"
+    ready.write_text("ipc:///x\n")
+    remove_with(str(private), str(ready))
+    segment = f"/dev/shm/rf-{os.getpid()}-{os.urandom(8).hex()}-0"
+    with open(segment, "wb"):
+        pass
+    try:
+        sentinel = Sentinel(str(private))
+        os.close(sentinel._write_end)
+        sentinel._write_end = -1
+        sentinel.popen.wait(timeout=60)
+        assert not private.exists() and not ready.exists()
+        assert os.path.exists(segment)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment)

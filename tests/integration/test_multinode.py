@@ -28,6 +28,8 @@ from rollfleet.engines.echo import echo_tokens
 from rollfleet.transport.auth import make_keys
 from rollfleet.transport.messages import SamplingParams
 
+from ..helpers import kill_sentinel, sentinel_of, wait_until, worker_children
+
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
@@ -336,7 +338,7 @@ def test_agent_stops_when_the_supervisor_is_killed_and_the_store_lives_on(tmp_pa
                              stderr=subprocess.PIPE, text=True)
     try:
         assert sup.stdout.readline().strip() == "remote ready"
-        workers = psutil.Process(agent.pid).children()
+        workers = worker_children(agent.pid)
         assert len(workers) == 1
         sup.kill()
         sup.wait(10)
@@ -534,7 +536,7 @@ async def test_serve_with_a_store_admits_a_node_agents_workers_and_its_clients_r
                                              for i in range(24)))
             assert all(r.token_ids == echo_tokens(prompt, 6) for r in results)
             assert remote <= {r.worker for r in results}
-        workers = psutil.Process(agent.pid).children()
+        workers = worker_children(agent.pid)
         assert len(workers) == 2
         fleet.proc.send_signal(signal.SIGTERM)
         assert fleet.proc.wait(30) == 0
@@ -587,8 +589,8 @@ async def test_an_agent_whose_served_fleet_is_killed_stops_and_says_so_in_one_li
         agent = fleet.agent("--workers", "1", "--name", "nodec")
         async with fleet.client() as client:
             await fleet.ready_on(client, "nodec", 1)
-        fleet_workers = psutil.Process(fleet.proc.pid).children()
-        agent_workers = psutil.Process(agent.pid).children()
+        fleet_workers = worker_children(fleet.proc.pid)
+        agent_workers = worker_children(agent.pid)
         assert len(fleet_workers) == 1 and len(agent_workers) == 1
         fleet.proc.kill()
         fleet.proc.wait(10)
@@ -628,10 +630,13 @@ async def test_garbage_and_a_dead_agents_entry_in_the_store_keep_no_agent_out(tm
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CurveZMQ")
 @pytest.mark.timeout(120)
-async def test_the_private_dir_of_an_agent_killed_with_its_workers_goes_when_the_next_agent_starts(tmp_path):
-    # An agent's process group sent SIGKILL (a batch scheduler's cancel) leaves nobody to remove
-    # the agent's private directory (its workers' logs, what their engines shared): it names its
-    # owner, so the next agent started beside it removes it, as a supervisor's is removed.
+@pytest.mark.parametrize("who", ["sentinel", "next-agent"])
+async def test_the_private_dir_of_an_agent_killed_with_its_workers_is_removed(tmp_path, who):
+    # An agent's process group sent SIGKILL (a batch scheduler's cancel) takes its workers too:
+    # its sentinel, a process of another session, removes the agent's private directory (its
+    # workers' logs, what their engines shared) at once. With the sentinel killed too (every
+    # process of the job: a container stopped), nobody is left to remove it: it names its owner,
+    # so the next agent started beside it removes it, as a supervisor's is removed.
     root = tmp_path / "agents"
     root.mkdir()
     env = {"TMPDIR": str(root)}
@@ -641,11 +646,22 @@ async def test_the_private_dir_of_an_agent_killed_with_its_workers_goes_when_the
             await fleet.ready_on(client, "first", 1)
             (left,) = [p for p in root.iterdir() if p.name.startswith("rollfleet-node-")]
             assert (left / "owner").read_text().split()[0] == str(first.pid)
-            workers = psutil.Process(first.pid).children()
+            workers = worker_children(first.pid)
+            sentinel = sentinel_of(first.pid)
+            assert workers and sentinel is not None
+            if who == "next-agent":
+                kill_sentinel(first.pid)
             os.killpg(first.pid, signal.SIGKILL)
             first.wait(10)
             _, alive = psutil.wait_procs(workers, timeout=10)
-            assert not alive and left.exists()  # nobody was left to remove it
+            assert not alive
+            if who == "sentinel":
+                assert wait_until(lambda: not left.exists(), 10), f"left behind: {list(left.iterdir())}"
+                assert wait_until(lambda: not psutil.pid_exists(sentinel)
+                                  or psutil.Process(sentinel).status() == psutil.STATUS_ZOMBIE, 10)
+                assert list(root.iterdir()) == []
+                return
+            assert left.exists()  # nobody was left to remove it
             second = fleet.agent("--workers", "1", "--name", "second", env=env)
             await fleet.ready_on(client, "second", 1)
             assert not left.exists() and len(list(root.iterdir())) == 1  # the second's own

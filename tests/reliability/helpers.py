@@ -11,9 +11,10 @@ from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.weights.shm import SHM_DIR
 
-from ..helpers import wait_for
+from ..helpers import kill_sentinel, sentinel_of, wait_for
 
-__all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids"]
+__all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids", "sentinel_of",
+           "kill_sentinel"]
 
 
 def fleet(num_workers=2, **kw):

@@ -22,7 +22,8 @@ from rollfleet.errors import EngineFailed, FleetError, RolloutError, WeightUpdat
 from rollfleet.transport.messages import SamplingParams
 
 from ..helpers import wait_until
-from .helpers import alive, assert_clean, expected_tokens, fleet, segments_of, wait_for, worker_pids
+from .helpers import (alive, assert_clean, expected_tokens, fleet, kill_sentinel, segments_of, sentinel_of, wait_for,
+                      worker_pids)
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -450,14 +451,15 @@ def test_supervisor_sigkill_mid_stream_and_mid_update_leaves_nothing_behind():
         proc.wait()
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigterm-to-group"])
+@pytest.mark.parametrize("how", ["sigkill", "sigterm-to-group", "sigkill-to-group"])
 def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothing_behind(how):
     # The first update offers its shm segments by name until every worker has mapped them;
     # a stopped worker holds it there. The supervisor then dies: by SIGKILL, or with its
     # whole process group by SIGTERM (what `timeout` and service managers send), which
     # reaches the workers too. The stopped worker is woken (the kernel's parent-death
     # signal), and the workers unlink the dead supervisor's segments and remove its
-    # private directory (socket file, logs).
+    # private directory (socket file, logs). With the whole group SIGKILLed no worker is left
+    # to: the supervisor's sentinel, a process of another session, does.
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_SCRIPT, "--hold"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -470,12 +472,14 @@ def test_supervisor_gone_in_its_first_update_with_a_worker_stopped_leaves_nothin
         while not segments_of([proc.pid]) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert segments_of([proc.pid]), "the first update offered no segment"
+        sentinel = sentinel_of(proc.pid)
+        assert sentinel is not None
         if how == "sigkill":
             proc.kill()
         else:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGKILL if how == "sigkill-to-group" else signal.SIGTERM)
         proc.wait()
-        assert_clean(private_dir, pids, creators=[proc.pid], within=5.0)
+        assert_clean(private_dir, pids + [sentinel], creators=[proc.pid], within=10.0)
     finally:
         proc.kill()
         proc.wait()
@@ -564,6 +568,7 @@ NO_WORKER_ALIVE_SCRIPT = textwrap.dedent("""
 
     async def main():
         config = FleetConfig(engine="echo", num_workers=1, private_dir_root=sys.argv[1],
+                             frontend_addr=sys.argv[2] if len(sys.argv) > 2 else None,
                              restart=RestartPolicy(backoff_s=60, max_backoff_s=60))
         async with Supervisor(config) as sup:
             print(sup.private_dir, sup.slots[0].pid, flush=True)
@@ -572,8 +577,41 @@ NO_WORKER_ALIVE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("how", ["sigkill", "sigkill-to-group"])
+async def test_a_supervisor_killed_with_no_worker_alive_is_cleaned_up_after_by_its_sentinel(tmp_path, how):
+    # The supervisor dies while its only worker is dead and waiting to be restarted: no worker
+    # is left to remove its directory (socket files, logs) and the socket file its clients
+    # used. Its sentinel, a process of its own session, does at once: also when the kill is for
+    # the whole process group.
+    front = tmp_path / "front.sock"
+    proc = subprocess.Popen([sys.executable, "-c", NO_WORKER_ALIVE_SCRIPT, str(tmp_path), f"ipc://{front}"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        private_dir, pid = proc.stdout.readline().split()
+        sentinel = sentinel_of(proc.pid)
+        assert sentinel is not None and os.getpgid(sentinel) != os.getpgid(proc.pid)
+        os.kill(int(pid), signal.SIGKILL)
+        assert await wait_for(lambda: not alive([int(pid)]), 10.0)
+        await asyncio.sleep(0.5)  # the supervisor has seen it die; its restart is a minute away
+        assert os.path.exists(os.path.join(private_dir, "workers.sock")) and front.exists()
+        if how == "sigkill":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert await wait_for(lambda: not os.path.exists(private_dir) and not front.exists(), 10.0), \
+            f"left behind: {os.listdir(tmp_path)}"
+        assert await wait_for(lambda: not alive([sentinel]), 10.0), "the sentinel outlived its cleanup"
+        assert os.listdir(tmp_path) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_goes_at_the_next_start(tmp_path):
-    # The supervisor dies while its only worker is dead and waiting to be restarted: no
+    # The supervisor dies while its only worker is dead and waiting to be restarted, and its
+    # sentinel is killed first (as when every process of the job is, a container stopped): no
     # process of the fleet is left to remove its directory (socket file, logs). The next
     # supervisor that starts in the same place does.
     proc = subprocess.Popen([sys.executable, "-c", NO_WORKER_ALIVE_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
@@ -583,6 +621,7 @@ async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_go
         os.kill(int(pid), signal.SIGKILL)
         assert await wait_for(lambda: not alive([int(pid)]), 10.0)
         await asyncio.sleep(0.5)  # the supervisor has seen it die; its restart is a minute away
+        kill_sentinel(proc.pid)
         proc.kill()
         proc.wait(10)
         assert os.path.exists(os.path.join(private_dir, "workers.sock"))
@@ -680,12 +719,14 @@ def test_a_vllm_fleets_supervisor_killed_by_sigterm_leaves_no_shared_memory(tmp_
 
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
-def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memory_after_the_next_fleet(tmp_path):
-    # A job manager's SIGKILL to the group takes the supervisor, the worker, vLLM's processes and
-    # their resource tracker at once: nobody is left to unlink what they shared. The next fleet
-    # started in the same place sweeps what the dead fleet's worker listed, which must hold the
-    # semaphore vLLM's model worker makes (its creator maps it under another name) and the
-    # worker's own OpenMP registration.
+@pytest.mark.parametrize("who", ["sentinel", "next-fleet"])
+def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memory(tmp_path, who):
+    # A SIGKILL to the job's process group takes the supervisor, the worker, vLLM's processes and
+    # their resource tracker at once: none of them is left to unlink what they shared. The
+    # fleet's sentinel, in a session of its own, unlinks what the dead fleet's worker listed,
+    # which must hold the semaphore vLLM's model worker makes (its creator maps it under another
+    # name) and the worker's own OpenMP registration. With the sentinel killed too (every process
+    # of the job: a container stopped), the next fleet started in the same place does.
     pytest.importorskip("vllm")
     import psutil
 
@@ -699,6 +740,14 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
         # What the job's processes had mapped or registered, not what others made meanwhile
         shared = (shm_names_mapped(group) | kmp_names(group)) & (shm_names_now() - before)
         assert any(n.startswith("sem.mp-") for n in shared)
+        if who == "sentinel":
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            assert wait_until(lambda: not alive(group), timeout=10)
+            assert wait_until(lambda: not shm_names_now() & shared and not os.path.exists(private_dir), 10), \
+                f"left in /dev/shm: {sorted(shm_names_now() & shared)}"
+            return
+        kill_sentinel(proc.pid)  # every process of the job: nobody is left to clean up
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert wait_until(lambda: not alive(group), timeout=10)
@@ -714,12 +763,13 @@ def test_a_vllm_fleet_killed_with_its_whole_process_group_leaves_no_shared_memor
 
 
 @pytest.mark.timeout(180)
-def test_a_torch_fleet_killed_with_its_whole_process_group_leaves_no_openmp_registration_after_the_next_fleet(
-        tmp_path):
+@pytest.mark.parametrize("who", ["sentinel", "next-fleet"])
+def test_a_torch_fleet_killed_with_its_whole_process_group_leaves_no_openmp_registration(tmp_path, who):
     # Each worker unlinks its OpenMP registration when it exits, and its supervisor does when it
-    # sees one killed; a kill of the job's whole process group leaves neither. The next fleet
-    # started in the same place sweeps what the dead fleet's workers listed, their own pids' names
-    # among it.
+    # sees one killed; a SIGKILL to the job's whole process group leaves neither. The fleet's
+    # sentinel, in a session of its own, removes what the dead fleet's workers listed, their own
+    # pids' names among it; with the sentinel killed too (every process of the job: a container
+    # stopped), the next fleet started in the same place does.
     if not os.path.exists(IOMP):
         pytest.skip(f"needs Intel's OpenMP at {IOMP}")
     import psutil
@@ -748,6 +798,15 @@ def test_a_torch_fleet_killed_with_its_whole_process_group_leaves_no_openmp_regi
         registration = f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_{os.getuid()}"
         group = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert os.path.exists(registration)
+        if who == "sentinel":
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            assert wait_until(lambda: not alive(group), timeout=10)
+            assert not os.path.exists(registration), "left in /dev/shm"
+            assert not os.path.exists(private_dir)
+            assert not [n for n in os.listdir(root) if n.startswith("rollfleet-")]  # (torch keeps a cache there)
+            return
+        kill_sentinel(proc.pid)  # every process of the job: nobody is left to clean up
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert wait_until(lambda: not alive(group), timeout=10)
@@ -895,14 +954,16 @@ IPC_FRONTEND_SCRIPT = textwrap.dedent("""
 
 
 async def test_an_ipc_frontend_file_of_a_fleet_killed_with_its_workers_goes_with_its_private_dir(tmp_path):
-    # A job manager's SIGKILL to the whole process group leaves no process to remove the socket
-    # file a fleet bound for its clients outside its private directory: the next fleet's sweep of
-    # that directory does (only if no fleet has bound that path since).
+    # A SIGKILL of every process of the job (the fleet's sentinel too: a container stopped)
+    # leaves no process to remove the socket file a fleet bound for its clients outside its
+    # private directory: the next fleet's sweep of that directory does (only if no fleet has
+    # bound that path since).
     front = tmp_path / "front.sock"
     proc = subprocess.Popen([sys.executable, "-c", IPC_FRONTEND_SCRIPT, str(tmp_path), str(front)],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         private_dir, *pids = proc.stdout.readline().split()
+        kill_sentinel(proc.pid)  # with every process of the job
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert await wait_for(lambda: not alive([int(p) for p in pids]), 10.0)

@@ -25,7 +25,7 @@ import time
 import psutil
 import pytest
 
-from ..helpers import wait_until
+from ..helpers import wait_until, worker_children
 from .helpers import alive
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -88,7 +88,7 @@ def job(tmp_path):
         procs.append(proc)
         assert wait_until(lambda: len(list(markers.iterdir())) == 2, 60), "the workers did not start importing"
         workers = [int(m.name.split("-")[1]) for m in markers.iterdir()]
-        assert sorted(workers) == sorted(p.pid for p in psutil.Process(proc.pid).children())
+        assert sorted(workers) == sorted(p.pid for p in worker_children(proc.pid))
         return proc, tmpdir, workers
 
     yield start
