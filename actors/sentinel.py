@@ -26,6 +26,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ class Sentinel:
 
     def __init__(self, private_dir: str):
         read_end, self._write_end = os.pipe()
+        self._lock = threading.Lock()  # release() may come from another thread (Supervisor.abandon)
         config = {"parent_pid": os.getpid(), "private_dir": private_dir}
         try:
             self.popen = subprocess.Popen([sys.executable, "-m", "rollfleet.actors.sentinel", json.dumps(config)],
@@ -55,14 +57,15 @@ class Sentinel:
     def release(self) -> None:
         """Tell the sentinel that this is an orderly end (it cleans nothing) and close our end.
         Harmless to call twice."""
-        if self._write_end < 0:
-            return
-        try:
-            os.write(self._write_end, QUIT)
-        except OSError:
-            pass
-        os.close(self._write_end)
-        self._write_end = -1
+        with self._lock:
+            if self._write_end < 0:
+                return
+            try:
+                os.write(self._write_end, QUIT)
+            except OSError:  # it is gone already
+                pass
+            os.close(self._write_end)
+            self._write_end = -1
 
     def exited(self) -> bool:
         return self.popen.poll() is not None
