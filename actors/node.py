@@ -283,7 +283,8 @@ class NodeAgent:
         try:
             os.chmod(self.private_dir, 0o700)
             # Owned as a supervisor's is: an agent killed with its workers (its process group sent
-            # SIGKILL) leaves it, and the next agent or supervisor started beside it removes it.
+            # SIGKILL) leaves it to its sentinel, or, the sentinel killed too, to the next agent or
+            # supervisor started beside it.
             claim_private_dir(self.private_dir)
             try:  # it cleans up if this process dies with no worker alive to do it (actors.sentinel)
                 self._sentinel = Sentinel(self.private_dir)

@@ -23,8 +23,8 @@ from .config import DEVICE_ENV_VARS
 
 __all__ = ["WorkerProcess", "device_env", "kill_tree", "is_resource_tracker", "tail", "CONFIG_ENV",
            "record_shm", "shm_names_mapped", "shm_names_now", "sweep_shm_lists", "unlink_shm", "kmp_names",
-           "claim_private_dir", "sweep_private_dirs", "sweep_stale_segments", "remove_private_dir", "remove_with", "unlink_if_same", "unlink_segments_of",
-           "sampling_seed"]
+           "claim_private_dir", "sweep_private_dirs", "sweep_stale_segments", "remove_private_dir", "remove_with",
+           "unlink_if_same", "unlink_segments_of", "sampling_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,8 @@ REMOVE_WITH_FILE = "remove-with"
 def remove_with(private_dir: str, path: str) -> None:
     """Have ``path`` (a file or directory) removed with ``private_dir``: by whoever removes the
     directory (its supervisor's shutdown, its workers or its sentinel once that supervisor is
-    gone, the sweep of the next supervisor started beside it), if ``path`` is still the same file then."""
+    gone, the sweep of the next supervisor started beside it), if ``path`` is still the same file
+    then."""
     path = os.path.abspath(path)
     inode = os.lstat(path).st_ino
     with open(os.path.join(private_dir, REMOVE_WITH_FILE), "a", encoding="utf-8") as f:

@@ -117,6 +117,7 @@ def _wait(parent: int) -> bool:
 
 
 def _clean(config: dict[str, Any]) -> None:
+    """What a worker does when its supervisor dies, less killing its own children."""
     from .process import remove_private_dir, unlink_segments_of
 
     parent = int(config["parent_pid"])

@@ -218,7 +218,7 @@ class Supervisor:
         self._wsock: Any = None
         self._fsock: Any = None
         self._frontend_file: tuple[str, int] | None = None  # an ipc:// frontend's socket file, inode
-        self._sentinel: Sentinel | None = None  # cleans up if this process dies with no worker left to
+        self._sentinel: Sentinel | None = None  # cleans up if this process dies with no worker to do it
         self._batch_clients: dict[bytes, None] = {}  # identities that said hello with batch, oldest first
         self._client_calls: dict[bytes, int] = {}  # stats and control calls of each client not answered yet
         # identity -> [lease_s, deadline (time.monotonic())] of the clients that said hello with
