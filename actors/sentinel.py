@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -76,7 +77,7 @@ class Sentinel:
             self.popen.kill()
             self.popen.wait()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 2.0) -> None:
         """``release`` and wait for the process to exit (killed after ``timeout`` seconds)."""
         self.release()
         try:
@@ -116,15 +117,24 @@ def _wait(parent: int) -> bool:
             return False
 
 
+def _say(text: str) -> None:
+    """A line where the supervisor's errors went; nothing if nobody reads them any more (its
+    stderr a pipe whose reader was killed with it)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def _clean(config: dict[str, Any]) -> None:
     """What a worker does when its supervisor dies, less killing its own children."""
     from .process import remove_private_dir, unlink_segments_of
 
     parent = int(config["parent_pid"])
     private_dir = config["private_dir"]
-    if os.path.isdir(private_dir):
+    removed = os.path.isdir(private_dir)
+    if removed:
         remove_private_dir(private_dir)
-        print(f"rollfleet: process {parent} is gone; its sentinel removed {private_dir}", file=sys.stderr)
     # The pipe may close with the process still exiting: its segments are its own until it is gone
     # (another fleet of the same process may be updating weights through its own).
     deadline = time.monotonic() + 5.0
@@ -132,25 +142,33 @@ def _clean(config: dict[str, Any]) -> None:
         time.sleep(0.05)
     if _parent_gone(parent):
         unlink_segments_of(parent)
+    if removed:  # said last: nothing it could raise stops the cleanup
+        _say(f"rollfleet: process {parent} is gone; its sentinel removed {private_dir}")
+
+
+def _continue_on_parent_death() -> None:
+    """Have the kernel send SIGCONT when the parent dies: a sentinel stopped (SIGSTOP) is in a
+    session of its own, where no terminal or group signal would ever wake it to clean up and go."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGCONT), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: it notices once it runs again
+        pass
 
 
 def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
+    _continue_on_parent_death()  # (a parent gone before this: _wait sees it within POLL_S)
     if _wait(int(config["parent_pid"])):
         return 0
     try:
         _clean(config)
-    except Exception as exc:  # nothing to report to: say it where the supervisor's errors went
-        try:
-            print(f"rollfleet sentinel: cleanup failed: {exc!r}", file=sys.stderr)
-        except OSError:
-            pass
+    except Exception as exc:
+        _say(f"rollfleet sentinel: cleanup failed: {exc!r}")
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except BrokenPipeError:  # stderr's reader went with the supervisor
-        sys.exit(0)
+    sys.exit(main(sys.argv[1:]))

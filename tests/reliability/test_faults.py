@@ -609,6 +609,42 @@ async def test_a_supervisor_killed_with_no_worker_alive_is_cleaned_up_after_by_i
         proc.wait(10)
 
 
+@pytest.mark.parametrize("how", ["sentinel-stopped", "stderr-unread"])
+async def test_a_sentinel_cleans_up_when_it_was_stopped_or_its_stderr_has_no_reader(tmp_path, how):
+    # Its supervisor dies (no worker alive) while the sentinel is stopped, in a session where
+    # nothing else would wake it (the kernel's parent-death signal does); or with its stderr a
+    # pipe whose reader is gone too (the sentinel's line about it must not cost the rest): the
+    # private directory and the supervisor's weight-update segments still go.
+    proc = subprocess.Popen([sys.executable, "-c", NO_WORKER_ALIVE_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    segment = f"/dev/shm/rf-{proc.pid}-{os.urandom(8).hex()}-0"  # as its first update would name one
+    try:
+        private_dir, pid = proc.stdout.readline().split()
+        sentinel = sentinel_of(proc.pid)
+        assert sentinel is not None
+        with open(segment, "wb"):
+            pass
+        os.kill(int(pid), signal.SIGKILL)
+        assert await wait_for(lambda: not alive([int(pid)]), 10.0)
+        await asyncio.sleep(0.5)  # the supervisor has seen it die; its restart is a minute away
+        if how == "sentinel-stopped":
+            os.kill(sentinel, signal.SIGSTOP)
+        else:
+            proc.stderr.close()
+        proc.kill()
+        proc.wait(10)
+        assert await wait_for(lambda: not os.path.exists(private_dir) and not os.path.exists(segment), 10.0), \
+            f"left behind: {os.listdir(tmp_path)}, segment there: {os.path.exists(segment)}"
+        assert await wait_for(lambda: not alive([sentinel]), 10.0), "the sentinel outlived its cleanup"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment)
+        if "sentinel" in locals() and sentinel is not None and alive([sentinel]):
+            os.kill(sentinel, signal.SIGKILL)
+
+
 async def test_a_private_dir_left_by_a_supervisor_killed_with_no_worker_alive_goes_at_the_next_start(tmp_path):
     # The supervisor dies while its only worker is dead and waiting to be restarted, and its
     # sentinel is killed first (as when every process of the job is, a container stopped): no
