@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
+
+from .boot import continue_on_parent_death
 
 __all__ = ["Sentinel"]
 
@@ -88,7 +89,8 @@ class Sentinel:
 
 def _parent_gone(parent: int) -> bool:
     """Whether the supervisor is gone: this process has a new parent, or (Linux) the supervisor's
-    threads have all ended and only its zombie is left, waiting for its own parent."""
+    threads have all ended and only its zombie is left, waiting for its own parent. (The worker's
+    check asks psutil; importing it here would hold 17 MB more for the sentinel's whole life.)"""
     if os.getppid() != parent:
         return True
     try:
@@ -146,20 +148,12 @@ def _clean(config: dict[str, Any]) -> None:
         _say(f"rollfleet: process {parent} is gone; its sentinel removed {private_dir}")
 
 
-def _continue_on_parent_death() -> None:
-    """Have the kernel send SIGCONT when the parent dies: a sentinel stopped (SIGSTOP) is in a
-    session of its own, where no terminal or group signal would ever wake it to clean up and go."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGCONT), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: it notices once it runs again
-        pass
-
-
 def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
-    _continue_on_parent_death()  # (a parent gone before this: _wait sees it within POLL_S)
+    # A sentinel stopped (SIGSTOP) is in a session of its own, where no terminal or group signal
+    # would ever wake it: the kernel's SIGCONT at its parent's death does (a parent gone before
+    # this: _wait sees it within POLL_S).
+    continue_on_parent_death()
     if _wait(int(config["parent_pid"])):
         return 0
     try:

@@ -36,26 +36,40 @@ def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
     return cond()
 
 
-def worker_children(pid):
-    """The worker processes (``python -m rollfleet.actors.boot``) the process ``pid`` started."""
+def children_running(pid, module):
+    """The children of the process ``pid`` that run ``python -m <module>``."""
     out = []
     for child in psutil.Process(pid).children():
         with contextlib.suppress(psutil.Error):
-            if "rollfleet.actors.boot" in " ".join(child.cmdline()):
+            if module in " ".join(child.cmdline()):
                 out.append(child)
     return out
+
+
+def worker_children(pid):
+    """The worker processes (``python -m rollfleet.actors.boot``) the process ``pid`` started."""
+    return children_running(pid, "rollfleet.actors.boot")
 
 
 def sentinel_of(pid):
     """The pid of the sentinel process (actors.sentinel) that the process ``pid`` started, or None."""
     try:
-        for child in psutil.Process(pid).children():
-            with contextlib.suppress(psutil.Error):
-                if "rollfleet.actors.sentinel" in " ".join(child.cmdline()):
-                    return child.pid
+        found = children_running(pid, "rollfleet.actors.sentinel")
     except psutil.NoSuchProcess:
-        pass
-    return None
+        return None
+    return found[0].pid if found else None
+
+
+def alive(pids):
+    """Those of ``pids`` that still run (a zombie, waiting to be reaped, does not)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def kill_sentinel(pid):
@@ -64,16 +78,7 @@ def kill_sentinel(pid):
     sentinel = sentinel_of(pid)
     assert sentinel is not None, f"process {pid} has no sentinel"
     os.kill(sentinel, signal.SIGKILL)
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(sentinel).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.01)
-    else:
-        raise AssertionError(f"sentinel {sentinel} outlived SIGKILL")
+    assert wait_until(lambda: not alive([sentinel])), f"sentinel {sentinel} outlived SIGKILL"
     return sentinel
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .helpers import wait_until
+from .helpers import wait_until, worker_children
 
 CLI = [sys.executable, "-m", "rollfleet"]
 
@@ -175,14 +175,12 @@ def test_serve_on_ipc_refuses_an_address_in_use_and_removes_its_socket_file(tmp_
 def serve_and_its_workers(tmp_path, *args: str, **popen):
     """A ``serve`` of 2 echo workers on an ipc:// address (and ``args``), once ready: (process,
     workers, socket file)."""
-    import psutil
-
     sock, ready = tmp_path / "front.sock", tmp_path / "ready"
     proc = subprocess.Popen([*CLI, "serve", "--engine", "echo", "--workers", "2", "--bind", f"ipc://{sock}",
                              "--ready-file", str(ready), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, **popen)
     assert wait_file(ready) == f"ipc://{sock}"
-    workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
+    workers = worker_children(proc.pid)
     assert len(workers) == 2
     return proc, workers, sock
 
@@ -511,7 +509,7 @@ def test_serve_worker_nice_and_stall_timeout_reach_the_fleet(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with reaped(proc):
         assert wait_file(ready) == f"ipc://{sock}"
-        workers = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
+        workers = worker_children(proc.pid)
         assert len(workers) == 2 and {w.nice() for w in workers} == {psutil.Process(proc.pid).nice() + 5}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read()
@@ -555,7 +553,7 @@ def test_serve_inflight_call_heartbeat_and_restart_limits_reach_the_fleet(tmp_pa
         # stays dead (a restart would come within 0.5 s) and the other serves alone.
         stopped.wait(25)
         time.sleep(3)
-        alive = [p for p in psutil.Process(proc.pid).children() if "rollfleet.actors.boot" in " ".join(p.cmdline())]
+        alive = worker_children(proc.pid)
         assert [p.pid for p in alive] == [workers[1].pid]
         out = run("stats", f"ipc://{sock}")
         assert out.returncode == 0 and "dead" in out.stdout, out.stdout

@@ -5,13 +5,11 @@ from __future__ import annotations
 import os
 import time
 
-import psutil
-
 from rollfleet.actors import FleetConfig, Supervisor
 from rollfleet.engines.echo import echo_tokens
 from rollfleet.weights.shm import SHM_DIR
 
-from ..helpers import kill_sentinel, sentinel_of, wait_for
+from ..helpers import alive, kill_sentinel, sentinel_of, wait_for
 
 __all__ = ["fleet", "expected_tokens", "wait_for", "segments_of", "alive", "assert_clean", "worker_pids", "sentinel_of",
            "kill_sentinel"]
@@ -36,17 +34,6 @@ def segments_of(pids):
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefixes))
     except FileNotFoundError:
         return []
-
-
-def alive(pids):
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def assert_clean(private_dir, pids, creators=(), within=5.0):

@@ -21,7 +21,7 @@ from rollfleet.actors import FleetConfig, RestartPolicy, Supervisor
 from rollfleet.errors import EngineFailed, FleetError, RolloutError, WeightUpdateError, WorkerStartError
 from rollfleet.transport.messages import SamplingParams
 
-from ..helpers import wait_until
+from ..helpers import wait_until, worker_children
 from .helpers import (alive, assert_clean, expected_tokens, fleet, kill_sentinel, segments_of, sentinel_of, wait_for,
                       worker_pids)
 
@@ -912,8 +912,6 @@ def test_ctrl_c_to_the_process_group_leaves_nothing_behind(case, tmp_path):
     # The workers leave the decision to the supervisor's process; its end, however it comes
     # (a KeyboardInterrupt out of asyncio.run, a SyncClient given up while it starts), must still
     # take the workers and the private directory with it.
-    import psutil
-
     env = dict(os.environ, TMPDIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, case], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
@@ -922,11 +920,11 @@ def test_ctrl_c_to_the_process_group_leaves_nothing_behind(case, tmp_path):
         if case == "sync-starting":
             assert line == ["starting"]
             deadline = time.monotonic() + 30
-            while len([p for p in psutil.Process(proc.pid).children() if "actors.boot" in " ".join(p.cmdline())]) < 2:
+            while len(worker_children(proc.pid)) < 2:
                 assert time.monotonic() < deadline, "the workers did not start"
                 time.sleep(0.05)
             time.sleep(1.0)  # into their engines' start
-            pids = [p.pid for p in psutil.Process(proc.pid).children() if "actors.boot" in " ".join(p.cmdline())]
+            pids = [p.pid for p in worker_children(proc.pid)]
             (private_dir,) = [str(p) for p in tmp_path.iterdir() if p.name.startswith("rollfleet-")]
         else:
             private_dir, pids = line[0], [int(p) for p in line[1:]]
