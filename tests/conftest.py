@@ -7,6 +7,8 @@ import os
 import psutil
 import pytest
 
+from .helpers import alive
+
 # Imported early on purpose: importing hypothesis lazily, at the end of a session, has
 # crashed this CPython (3.11.7) with "AST constructor recursion depth mismatch".
 try:
@@ -38,12 +40,5 @@ def no_leaks():
     """Asserts that the test left no child process behind."""
     before = child_pids()
     yield
-    left = {pid for pid in child_pids() - before if psutil.pid_exists(pid)}
-    alive = []
-    for pid in left:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    assert not alive, f"processes left behind: {alive}"
+    left = alive(child_pids() - before)
+    assert not left, f"processes left behind: {left}"
