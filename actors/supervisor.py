@@ -1431,6 +1431,11 @@ class Supervisor:
         if failed:
             raise failed[0][1]
         if lost is not None:
+            if op in OPPOSITE_OPS:
+                # Not put back: the dead worker's replacement is brought to the fleet's state.
+                took = ", ".join(out) or "none"
+                lost.args = (f"{lost}; {op} is in force all the same (workers that took it: {took}; a "
+                             f"replacement comes up so)",)
             raise lost
         return out
 

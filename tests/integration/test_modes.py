@@ -276,6 +276,37 @@ async def test_a_worker_restarted_during_a_resume_or_wake_up_is_not_left_paused_
         assert [r.token_ids for r in results] == [expected_tokens([i + 1], 3) for i in range(8)]
 
 
+async def test_a_pause_whose_worker_dies_during_the_call_says_it_is_in_force_and_the_replacement_comes_up_paused():
+    import os
+    import signal
+
+    from rollfleet.actors import RestartPolicy
+    from rollfleet.actors.handle import WorkerState
+    from rollfleet.errors import WorkerLost
+
+    from ..helpers import wait_for
+
+    config = FleetConfig(engine="echo", num_workers=2, frontend_addr=None, restart=RestartPolicy(backoff_s=0.0),
+                         engine_options={"tokens_per_s": 1000, "control_delay_s": 3})
+    async with Supervisor(config) as sup:
+        client = sup.client()
+        victim = sup.slots[0]
+        pausing = asyncio.ensure_future(client.control("pause"))
+        await asyncio.sleep(0.5)  # sent to both; each engine takes 3 s to answer
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost) as lost:
+            await asyncio.wait_for(pausing, 30)
+        message = str(lost.value)
+        assert "pause is in force all the same" in message and "replacement comes up so" in message
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state is WorkerState.READY, 30)
+        stats = await sup.stats()
+        assert stats["engines_paused"] is True
+        assert [w["engine_stats"]["paused"] for w in stats["workers"]] == [True, True]
+        await client.control("resume")
+        result = await asyncio.wait_for(client.generate("r", [3], SamplingParams(max_tokens=2)), 20)
+        assert result.token_ids == expected_tokens([3], 2)
+
+
 async def test_a_weight_update_while_a_restarted_worker_is_being_paused_reaches_it_before_it_serves():
     # Neither ready nor gone while it is being paused, it is not among the update's workers; it
     # must be brought to the update's version before it serves, not come up with the one before.
