@@ -681,7 +681,17 @@ class Supervisor:
             await asyncio.sleep(delay)
             if self.closed:
                 return
-            handle = self._spawn(index)
+            try:
+                handle = self._spawn(index)
+            except Exception as exc:  # no process to wait for (EMFILE, EAGAIN, its log file's directory gone)
+                logger.error("restart of worker slot %d failed: its process could not be started: %r", index, exc)
+                dead = self.slots.get(index)
+                if dead is not None and not dead.alive:
+                    dead.earlier_error = dead.earlier_error or dead.last_error
+                    dead.last_error = f"its restart failed: {exc!r}"
+                self._schedule_restart(index)  # the policy's window bounds it, as for a worker that dies starting
+                asyncio.get_running_loop().call_soon(self._check_workers_left)
+                return
             try:
                 await self._wait_registered([handle])
             except WorkerStartError as exc:

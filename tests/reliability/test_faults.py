@@ -157,6 +157,37 @@ async def test_worker_killed_during_startup_of_its_restart_is_restarted_again():
     assert_clean(sup.private_dir, pids)
 
 
+@pytest.mark.parametrize("restarts", ["tried-again", "given-up"])
+async def test_a_restart_whose_process_cannot_be_started_is_tried_again_or_its_requests_fail(restarts):
+    # The private directory moved away, the restart cannot open its worker's log file there: the
+    # spawn itself raises. That is a failed start like any other, not a restart task that dies
+    # with the slot left dead and the request waiting for ever.
+    policy = RestartPolicy(backoff_s=0.5, max_restarts=5 if restarts == "tried-again" else 1)
+    sup = fleet(1, engine_options={"tokens_per_s": 200}, restart=policy)
+    async with sup:
+        pids = worker_pids(sup)
+        task = asyncio.create_task(sup.client().generate("r", [3], SamplingParams(max_tokens=200)))
+        assert await wait_for(lambda: len(sup.table) == 1 and next(iter(sup.table)).worker_id, 10)
+        away = sup.private_dir + ".away"
+        os.rename(sup.private_dir, away)
+        try:
+            first = sup.slots[0]
+            os.kill(first.pid, signal.SIGKILL)
+            assert await wait_for(lambda: "its restart failed" in sup.slots[0].last_error, 10)
+            assert sup.slots[0] is first and "FileNotFoundError" in sup.slots[0].describe(0, 0)["last_error"]
+            if restarts == "given-up":
+                with pytest.raises(FleetError, match="its restart failed"):
+                    await asyncio.wait_for(task, 10)
+        finally:
+            os.rename(away, sup.private_dir)
+        if restarts == "tried-again":
+            result = await asyncio.wait_for(task, 30)
+            assert result.token_ids == expected_tokens([3], 200) and result.num_preemptions == 1
+            assert sup.slots[0] is not first and sup.slots[0].state.value == "ready"
+        pids |= worker_pids(sup)
+    assert_clean(sup.private_dir, pids)
+
+
 async def test_a_worker_that_registers_during_a_weight_update_serves_after_it():
     # One step of 100 tokens at 1 token/s: the request on w0 takes its abort only after 100 s,
     # so the update's drain lasts until w0 is killed, while w1's restart registers.
