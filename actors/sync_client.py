@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,9 +37,13 @@ logger = logging.getLogger(__name__)
 
 
 
-def _stop_fleet(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+def _stop_fleet(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                owner: int) -> None:
     """Shut the fleet down and stop its loop thread (SyncClient.shutdown, or the client's
-    finalizer: it takes no client, which may be gone)."""
+    finalizer: it takes no client, which may be gone). Not in a process forked from ``owner``:
+    the fleet is its parent's, which still runs it."""
+    if os.getpid() != owner:
+        return
     if threading.current_thread() is thread:  # collected on the loop's own thread: it cannot wait here
 
         async def stop() -> None:
@@ -80,6 +85,12 @@ def _stop_fleet(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, thread:
             loop.close()
 
 
+# A call's own timeout is kept on the fleet's loop (which then aborts the request); this much
+# later the calling thread stops waiting by itself, for a loop held up in user code (a weight
+# generator that blocks it) that cannot keep it.
+BACKSTOP_S = 1.0
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -107,9 +118,10 @@ class SyncClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        self._owner = os.getpid()
         # Runs once: at shutdown(), when the client is collected, or at interpreter exit. It holds
         # no reference to the client, so dropping the client is what shuts a forgotten fleet down.
-        self._stop = weakref.finalize(self, _stop_fleet, self.supervisor, self._loop, self._thread)
+        self._stop = weakref.finalize(self, _stop_fleet, self.supervisor, self._loop, self._thread, self._owner)
         from ..errors import RequestTimeout, WorkerStartError
 
         try:
@@ -124,10 +136,29 @@ class SyncClient:
     async def _make_client(self) -> Any:
         return self.supervisor.client()
 
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+    def _check_usable(self) -> None:
         if self._closed:
-            coro.close()
             raise FleetClosed("SyncClient is shut down")
+        if os.getpid() != self._owner:
+            # Its loop thread did not survive the fork: nothing would ever answer.
+            raise FleetClosed(f"this SyncClient's fleet belongs to process {self._owner}: a process forked from "
+                              "it cannot use it (start a fleet of its own there)")
+
+    def _backstop(self, timeout: Any) -> float | None:
+        """How long the calling thread waits for a request's call of ``timeout`` (None: the
+        client's default) before it gives up on its own."""
+        if timeout is None:
+            timeout = self.client.default_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            return None  # none, or one the client refuses with InvalidRequest
+        return timeout + BACKSTOP_S
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        try:
+            self._check_usable()
+        except FleetClosed:
+            coro.close()
+            raise
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -161,7 +192,8 @@ class SyncClient:
     def generate(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams | None = None,
                  **kwargs: Any) -> GenerationResult:
         """One request; raises like LLMClient.generate."""
-        return self._call(self.client.generate(request_id, prompt_ids, sampling_params, **kwargs))
+        return self._call(self.client.generate(request_id, prompt_ids, sampling_params, **kwargs),
+                          self._backstop(kwargs.get("timeout")))
 
     def generate_batch(self, prompts: Sequence[Any], sampling_params: Any = None, *,
                        request_ids: Sequence[str] | None = None, timeout: float | None = None,
@@ -176,7 +208,7 @@ class SyncClient:
         """
         return self._call(self.client.generate_batch(prompts, sampling_params, request_ids=request_ids,
                                                      timeout=timeout, return_exceptions=return_exceptions,
-                                                     **kwargs))
+                                                     **kwargs), self._backstop(timeout))
 
     def stream(self, request_id: str, prompt_ids: Any, sampling_params: Any = None,
                **kwargs: Any) -> Iterator[StreamChunk | GenerationResult]:
@@ -185,8 +217,7 @@ class SyncClient:
         or leaving ``with contextlib.closing(fleet.stream(...))``) aborts the request and
         returns once the abort is sent; after a plain ``break`` that happens when the iterator
         is collected."""
-        if self._closed:
-            raise FleetClosed("SyncClient is shut down")
+        self._check_usable()
         items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         finished = threading.Event()
 
@@ -206,6 +237,8 @@ class SyncClient:
                 finished.set()
 
         fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        backstop = self._backstop(kwargs.get("timeout"))
+        deadline = None if backstop is None else time.monotonic() + backstop
         try:
             while True:
                 try:
@@ -213,6 +246,11 @@ class SyncClient:
                 except queue.Empty:
                     if self._closed:
                         raise FleetClosed("SyncClient was shut down while this stream ran") from None
+                    if deadline is not None and time.monotonic() >= deadline:
+                        from ..errors import RequestTimeout
+
+                        raise RequestTimeout(f"stream {request_id!r} did not end within {backstop:g}s "
+                                             "(the fleet's event loop is held up)", request_id=request_id) from None
                     continue
                 if kind == "item":
                     yield value

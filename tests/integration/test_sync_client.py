@@ -1,4 +1,6 @@
 import concurrent.futures
+import contextlib
+import signal
 import subprocess
 import os
 import sys
@@ -223,3 +225,72 @@ def test_its_llm_client_used_from_another_event_loop_raises_instead_of_hanging()
         outcome.result(30)  # it used to wait forever: its answer was set on the fleet's loop
         assert fleet.stats()["num_inflight"] == 0
         assert fleet.generate("y", [1], SamplingParams(max_tokens=2)).token_ids == expected_tokens([1], 2)
+
+
+def test_a_forked_child_cannot_use_the_fleet_and_leaves_it_running_when_it_exits():
+    # The child has a copy of the client but not its loop thread: its calls raise at once (they
+    # waited for ever), and its normal exit (finalizers, atexit) leaves the parent's fleet alone
+    # (it killed the parent's workers and removed its private directory).
+    script = textwrap.dedent("""
+        import contextlib, os, sys
+        import psutil
+        from rollfleet.actors import SyncClient, FleetConfig
+        from rollfleet.errors import FleetClosed
+        from rollfleet.transport.messages import SamplingParams
+
+        with SyncClient(FleetConfig(engine="echo", num_workers=1)) as fleet:
+            worker = fleet.stats()["workers"][0]["pid"]
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    fleet.generate("c", [1], SamplingParams(max_tokens=2), timeout=5)
+                    print("child: answered", flush=True)
+                except FleetClosed as exc:
+                    print("child:", "refused" if "forked" in str(exc) else repr(exc), flush=True)
+                with contextlib.suppress(FleetClosed):
+                    list(fleet.stream("cs", [1]))
+                fleet.shutdown()  # a no-op here
+                sys.exit(0)  # not os._exit: the with block's exit, finalizers and atexit run
+            _, status = os.waitpid(pid, 0)
+            print("parent:", os.waitstatus_to_exitcode(status), psutil.pid_exists(worker),
+                  os.path.isdir(fleet.supervisor.private_dir), fleet.stats()["workers"][0]["pid"] == worker,
+                  fleet.generate("p", [3], SamplingParams(max_tokens=4), timeout=20).token_ids, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a group: a child that hangs is killed with its parent
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, stderr
+    assert stdout.splitlines() == ["child: refused", f"parent: 0 True True True {expected_tokens([3], 4)}"], stdout + stderr
+
+
+def test_a_call_timeout_is_kept_even_while_the_loop_is_blocked_in_a_weight_generator():
+    # The timeout is the call's own on the loop; the loop held in user code cannot keep it, so
+    # the calling thread gives up a second after it (generate waited for the loop to be free).
+    with SyncClient(FleetConfig(engine="echo", num_workers=1)) as fleet:
+        release = threading.Event()
+
+        def stuck():
+            yield "offset", torch.tensor([0])
+            release.wait(30)  # the loop thread is held here
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            update = pool.submit(fleet.update_weights, stuck(), 1)
+            time.sleep(0.5)
+            for call in (lambda: fleet.generate("g", [1], SamplingParams(max_tokens=2), timeout=1),
+                         lambda: fleet.generate_batch([[1], [2]], SamplingParams(max_tokens=2), timeout=1),
+                         lambda: list(fleet.stream("s", [1], SamplingParams(max_tokens=2), timeout=1))):
+                t0 = time.monotonic()
+                with pytest.raises(RequestTimeout):
+                    call()
+                assert time.monotonic() - t0 < 8  # 2 s and a slice; it took as long as the loop was held
+            release.set()
+            update.result(30)
+        # nothing of those calls is left running once the loop is free again
+        assert fleet.stats()["num_inflight"] == 0
+        assert fleet.generate("after", [2], SamplingParams(max_tokens=3), timeout=20).token_ids == \
+            expected_tokens([2], 3)
