@@ -550,6 +550,40 @@ CLOSE_ABORT_S = 2.0
 """How long RemoteClient.close() waits for the fleet to answer the abort of the client's requests."""
 
 
+def _weakly(method: Any) -> Any:
+    """A handler that calls ``method`` for as long as its object lives, holding it weakly."""
+    ref = weakref.WeakMethod(method)
+
+    def handle(frames: list[Any]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(frames)
+
+    return handle
+
+
+def _close_dropped(sock: zmq.Socket, lsock: LoopSocket, monitor: LoopSocket) -> None:
+    """A RemoteClient collected without close(): its readers off their loop, its sockets closed
+    (on the loop's thread when that loop runs in another one)."""
+
+    def close() -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(linger=0)
+        lsock.close(linger=0)
+
+    loop = lsock._loop
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here or not loop.is_running():
+        close()
+    else:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(close)
+
+
 class RemoteClient(_Base):
     """Async client of a fleet's frontend socket, from any process.
 
@@ -606,6 +640,7 @@ class RemoteClient(_Base):
         self._monitor_sock = self._sock.get_monitor_socket(_CONNECTION_EVENTS)  # the one make_socket made
         self._lsock: LoopSocket | None = None  # made on first use, on the caller's event loop
         self._monitor: LoopSocket | None = None  # the socket's disconnect events, made with _lsock
+        self._dropped: weakref.finalize | None = None  # closes both if the client is collected unclosed
         self._up = False  # a connection to the fleet is up (its handshake succeeded)
         self._sinks: dict[str, Any] = {}
         # Requests given up on (timeout, cancellation) whose terminal answer has not come yet:
@@ -673,6 +708,8 @@ class RemoteClient(_Base):
 
     def _shut(self) -> None:
         self._closed = True
+        if self._dropped is not None:
+            self._dropped.detach()
         if self._hello is not None and not self._hello.done():
             self._hello.cancel()
         if self._keep_alive is not None:
@@ -699,8 +736,12 @@ class RemoteClient(_Base):
         if self._closed or self._closing is not None:
             raise FleetClosed("client is closed")
         if self._lsock is None:
-            self._lsock = LoopSocket(self._sock, self._on_frames)
-            self._monitor = LoopSocket(self._monitor_sock, self._on_connection_event)
+            # The loop's readers hold these handlers, not the client: one dropped without close()
+            # is collected, and its finalizer takes its readers off the loop and closes its sockets.
+            self._lsock = LoopSocket(self._sock, _weakly(self._on_frames))
+            self._monitor = LoopSocket(self._monitor_sock, _weakly(self._on_connection_event))
+            self._dropped = weakref.finalize(self, _close_dropped, self._sock, self._lsock, self._monitor)
+            self._dropped.atexit = False
         return self._lsock
 
     def _on_connection_event(self, frames: list[bytes]) -> None:

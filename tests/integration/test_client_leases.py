@@ -20,6 +20,7 @@ import pytest
 
 from rollfleet.actors import FleetConfig, RemoteClient, Supervisor, SyncClient
 from rollfleet.transport import codec
+from rollfleet.engines.echo import echo_tokens
 from rollfleet.errors import RolloutError
 from rollfleet.transport.messages import Error, Hello, Reply, SamplingParams
 
@@ -96,6 +97,35 @@ async def test_a_remote_client_keeps_its_lease_while_its_requests_run_for_many_l
             assert stats["num_leases"] == 1 and stats["num_leases_expired"] == 0
             await asyncio.sleep(1.5)  # idle: still held
             assert (await client.stats())["num_leases_expired"] == 0
+
+
+async def test_a_remote_client_dropped_without_close_is_collected_its_sockets_closed_and_its_lease_runs_out():
+    # The loop's readers held the client: it was never collected while the loop ran, its two
+    # sockets stayed open, and its keep-alive renewed the lease for as long as the process lived.
+    import gc
+    import weakref
+
+    async with echo_fleet() as sup:
+        async with RemoteClient(sup.frontend_address) as probe:
+            await probe.stats()  # its own connection up before the count
+            fds = len(os.listdir("/proc/self/fd"))
+
+            async def use_and_drop() -> weakref.ref:
+                client = RemoteClient(sup.frontend_address, lease_s=1.0)
+                result = await client.generate("used", [3], SamplingParams(max_tokens=2))
+                assert result.token_ids == echo_tokens([3], 2)
+                return weakref.ref(client)
+
+            dropped = [await use_and_drop() for _ in range(5)]
+            gc.collect()
+            assert [ref() for ref in dropped] == [None] * 5
+            # Each used client held its sockets' fds and its TCP connection's, on both ends (closed
+            # by ZeroMQ's I/O thread, in a moment).
+            assert await wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds, 10)
+            deadline = time.monotonic() + 10
+            while (stats := await probe.stats())["num_leases"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert stats["num_leases"] == 0 and stats["num_leases_expired"] == 5
 
 
 async def test_a_remote_client_whose_loop_was_held_past_its_lease_gets_its_requests_aborted_then_a_new_lease():
