@@ -269,8 +269,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS = ("demo", "stats", "keys", "node", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 done, 1 failed, 2 bad options)."""
+    """Run the command line; returns the exit code (0 done, 1 failed, 2 bad options, 130
+    interrupted by Ctrl-C before the command had its own handling of it)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (its imports, before serve installs its handlers; a stats call)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), "")
+        print(f"rollfleet{' ' + command if command in COMMANDS else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command they were given to, so that its --help is the one named

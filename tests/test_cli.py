@@ -580,3 +580,22 @@ def test_an_import_error_inside_a_command_is_raised_once_not_run_again():
     with pytest.raises(ImportError, match="rollfleet_no_such_module"):
         cli._run(command())
     assert runs == [1]
+
+
+def test_stats_interrupted_while_it_waits_for_an_answer_says_so_in_one_line():
+    # A port nothing answers on (a listening socket that never speaks ZeroMQ): stats waits for
+    # up to --timeout. Ctrl-C there printed a traceback of some forty lines.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen([*CLI, "stats", address, "--timeout", "60"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        with reaped(proc):
+            time.sleep(3)  # imported, connected, waiting
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+            assert proc.returncode == 130, err
+            assert err.strip() == "rollfleet stats: interrupted", err
