@@ -325,6 +325,10 @@ class Supervisor:
                 self._fsock = LoopSocket(sock, self._on_frontend_frames, on_post_error=self._on_client_gone)
                 self.frontend_address = sock.LAST_ENDPOINT.decode()
                 path = ipc_path(self.frontend_address)
+                if path is not None and not os.path.isabs(path):
+                    # Bound in this directory; said (and removed) by a path that holds from any other.
+                    path = os.path.abspath(path)
+                    self.frontend_address = f"ipc://{path}"
                 if path is not None:  # removed at shutdown if it is still this fleet's file
                     self._frontend_file = self._leftovers.frontend_file = (path, os.stat(path).st_ino)
                     # ... and, if this process and its workers are killed together, with this

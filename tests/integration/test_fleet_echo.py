@@ -978,6 +978,19 @@ async def test_a_remote_generate_batch_times_out_at_its_deadline_counted_from_th
     assert 7.5 < elapsed < 12.5, elapsed  # 8 s from the call; not 6 s of hello + 8
 
 
+async def test_a_relative_ipc_frontend_path_is_said_as_an_absolute_one_that_reaches_it_from_anywhere(tmp_path,
+                                                                                                   monkeypatch):
+    from rollfleet.actors import RemoteClient
+
+    monkeypatch.chdir(tmp_path)
+    async with Supervisor(FleetConfig(engine="echo", num_workers=1, frontend_addr="ipc://front.sock")) as sup:
+        assert sup.frontend_address == f"ipc://{tmp_path / 'front.sock'}"
+        monkeypatch.chdir("/")  # a client elsewhere: the address still names the file
+        async with RemoteClient(sup.frontend_address) as client:
+            assert (await client.generate("r", [3], SamplingParams(max_tokens=2))).token_ids == expected_tokens([3], 2)
+    assert not (tmp_path / "front.sock").exists()
+
+
 async def test_shutdown_removes_the_socket_files_before_it_waits_for_the_workers(tmp_path):
     # A job manager's SIGTERM then SIGKILL can end the supervisor while its workers take their
     # grace period: the socket files must be gone by then, not only at the very end.
