@@ -9,13 +9,15 @@ that the job already has (the torchrun rendezvous store, or any TCPStore the nod
 Keys under ``<prefix>/`` in the store:
 
 - ``router``: JSON {address, server_key, engine, engine_options, heartbeat_interval_s, report_interval_s,
-  max_message_bytes}, written by ``publish_router``;
+  max_message_bytes, fleet}, written by ``publish_router`` (``fleet``: a token new for each publication);
 - ``nodes``: a counter; agent n writes ``node/<n>/name`` and ``node/<n>/public`` (its
   CurveZMQ public key, Z85) and waits for ``node/<n>/admitted``, which the publisher
   writes once the supervisor accepts that key. The publisher looks at every index taken
   whose key has not come yet, so an agent that died before writing its key keeps no later
   one out; a ``public`` that is not a CurveZMQ public key is refused and logged;
-- ``closed``: set when the supervisor has shut down; agents then stop;
+- ``closed``: set when the supervisor has shut down, to the ``fleet`` token of its ``router``;
+  agents of that fleet then stop (a fleet published later under the same prefix has a token of
+  its own, so the ``closed`` its predecessor left does not stop its agents);
 - ``beat``: a counter the publisher adds to every second while the supervisor's process
   lives; an agent that sees it stand still for ``supervisor_timeout_s`` stops (a supervisor
   killed where the store outlives it, e.g. a store served by torchrun's agent).
@@ -38,6 +40,7 @@ import datetime
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -88,8 +91,9 @@ class RouterPublication:
     """What ``publish_router`` leaves running: a thread that admits node keys as agents
     write them into the store, and marks the store closed when the supervisor shuts down."""
 
-    def __init__(self, store: Any, supervisor: Any, prefix: str, poll_s: float, address: str = ""):
+    def __init__(self, store: Any, supervisor: Any, prefix: str, poll_s: float, address: str = "", token: str = ""):
         self.store = store
+        self.token = token  # the router's "fleet": what ``closed`` is set to
         self.supervisor = supervisor
         self.prefix = prefix
         self.poll_s = poll_s
@@ -149,7 +153,7 @@ class RouterPublication:
 
     def _mark_closed(self) -> None:
         try:
-            self.store.set(f"{self.prefix}/closed", "1")
+            self.store.set(f"{self.prefix}/closed", self.token or "1")
         except Exception:
             pass
 
@@ -196,12 +200,13 @@ def publish_router(store: Any, supervisor: Any, *, prefix: str = DEFAULT_PREFIX,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "report_interval_s": cfg.report_interval_s,
         "max_message_bytes": cfg.max_message_bytes,
+        "fleet": secrets.token_hex(8),
     }
     if host:
         supervisor.advertised_host = host  # where those workers dial it: its collective updates' store too
     store.set(f"{prefix}/router", json.dumps(info))
     logger.info("published router %s under %r", info["address"], prefix)
-    return RouterPublication(store, supervisor, prefix, poll_s, info["address"])
+    return RouterPublication(store, supervisor, prefix, poll_s, info["address"], info["fleet"])
 
 
 class NodeAgent:
@@ -403,7 +408,12 @@ class NodeAgent:
 
     def _fleet_closed(self) -> bool:
         try:
-            return bool(self.store.check([f"{self.prefix}/closed"]))
+            key = f"{self.prefix}/closed"
+            if not self.store.check([key]):
+                return False
+            # This agent's fleet's, not one published before it under the same prefix.
+            token = (self._router or {}).get("fleet")
+            return not token or self.store.get(key).decode("utf-8", "replace") == token
         except Exception as exc:  # the job's store is gone: so is the job
             logger.warning("store unreachable (%r); stopping", exc)
             return True

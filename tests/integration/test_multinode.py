@@ -394,6 +394,39 @@ async def test_an_agent_run_in_process_stops_its_workers_and_removes_its_dir_bef
         del agent_store, store
 
 
+@pytest.mark.timeout(120)
+async def test_a_fleet_published_after_another_under_the_same_store_and_prefix_keeps_its_agents(tmp_path):
+    # The first fleet's shutdown marks the store closed; the second fleet's agents read that as
+    # their own fleet's end and stopped a moment after they joined.
+    keys = str(tmp_path / "keys")
+    make_keys(keys)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
+                                       wait_for_workers=False)
+    config = FleetConfig(engine="echo", num_workers=1, worker_addr="tcp://127.0.0.1:0", curve_keys_dir=keys,
+                         accept_remote_workers=True)
+    loop = asyncio.get_running_loop()
+    agents = []
+    try:
+        for fleet in ("first", "second"):
+            agent_store = torch.distributed.TCPStore("127.0.0.1", store.port, None, False,
+                                                     datetime.timedelta(seconds=30))
+            agent = NodeAgent(agent_store, num_workers=1, name=f"{fleet}-host", private_dir_root=str(tmp_path))
+            agents.append(agent)
+            async with Supervisor(config) as sup:
+                publish_router(store, sup)
+                await loop.run_in_executor(None, agent.start)
+                await _until(lambda: [h for h in sup.ready_workers() if h.worker_id.startswith(f"{fleet}-host.")],
+                             60, f"the {fleet} fleet's agent's worker to register")
+                await asyncio.sleep(2.5)  # the agent looks at the store every second
+                assert not agent.wait(0), f"the {fleet} fleet's agent stopped while its fleet serves"
+                result = await sup.client().generate("r", [1, 2], SamplingParams(max_tokens=3), session_id="s")
+                assert result.token_ids == expected_tokens([1, 2], 3)
+            assert await loop.run_in_executor(None, agent.wait, 30), f"the {fleet} fleet's agent outlived it"
+    finally:
+        for agent in agents:
+            agent.shutdown(grace_s=1)
+
+
 @pytest.mark.timeout(60)
 def test_an_agent_stopped_while_it_waits_for_the_router_is_done_once_start_returns(tmp_path):
     # No supervisor publishes a router: start() waits for one until shutdown() from another
