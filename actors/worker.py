@@ -291,6 +291,9 @@ class EngineWorker:
         elif isinstance(msg, Stats):
             self._send(Reply(id=msg.id, data=self.stats()))
         elif isinstance(msg, (WeightsBegin, WeightsBucket, WeightsEnd)):
+            if self._receiver is not None and self._receiver.interrupt(msg):
+                logger.warning("%s: the update's collective call given up: %s came while it waited", self.worker_id,
+                               msg.TYPE.value)
             self._spawn(self._weights(msg, buffers))
         elif isinstance(msg, Shutdown):
             self._stop.set()

@@ -14,9 +14,11 @@ its side concurrently with the WeightsBegin calls).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +26,8 @@ import torch.distributed as dist
 
 from ..transport.sockets import is_loopback_host, route_source, route_to
 
-__all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "local_address",
-           "rendezvous_address"]
+__all__ = ["CollectiveChannel", "release_kept", "open_store", "make_group", "broadcast", "close_group", "release_group",
+           "in_thread", "local_address", "rendezvous_address"]
 
 
 def local_address(peer: str) -> str:
@@ -108,6 +110,59 @@ def close_group(group: Any) -> None:
                 continue
 
 
+def in_thread(fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+    """Run ``fn(*args)``, a call that blocks on the group's peers (its rendezvous, a broadcast's
+    wait), on a thread of its own; its result on a future of the running loop. Not on the loop's
+    executor: held up by a peer that is stopped or gone, such a call lasts until the group's
+    timeout, and a few of them would hold every thread of the executor that long. Not a daemon
+    thread either: the process's exit, cut short in gloo's C++ code, would be an abort; it waits
+    for the call to end instead."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():  # given up on meanwhile
+            return
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as err:
+            result, exc = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no one waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, name="rollfleet-collective").start()
+    return fut
+
+
+def release_group(group: Any, pending: Any = ()) -> None:
+    """``close_group``; the group is let go of at once, unless a call of ``pending`` (futures of
+    ``in_thread``: broadcasts a peer never joined, a rendezvous given up) still runs: then once
+    the last of them has ended. A gloo group's destructor waits for its pending broadcasts (up to
+    the group's timeout), and must not hold the event loop that long."""
+    if group is None:
+        return
+    close_group(group)
+    left = [f for f in pending if not f.done()]
+    if not left:
+        return  # the caller's reference goes, and with it the group, nothing holding it up
+    holder = [group]
+    count = [len(left)]
+
+    def ended(_: Any) -> None:
+        count[0] -= 1
+        if count[0] == 0:
+            holder.clear()  # nothing pending any more: its destructor does not wait
+
+    for fut in left:
+        fut.add_done_callback(ended)
+
+
 # Rank 0's buffers kept between updates (fresh memory costs a page fault per page).
 _kept: list[torch.Tensor] = []
 _kept_busy = False
@@ -167,6 +222,7 @@ class CollectiveChannel:
         self.buffers: list[torch.Tensor] = []
         self.store: Any = None
         self.group: Any = None
+        self._transfers: list[asyncio.Future[Any]] = []  # broadcasts started, to know which still run
 
     def allocate(self, size: int, num_buffers: int, capacity: int | None = None) -> None:
         self.buffers = _take(self.device, size, num_buffers, capacity or size)
@@ -191,7 +247,7 @@ class CollectiveChannel:
         return None
 
     async def connect(self) -> None:
-        self.group = await asyncio.to_thread(make_group, self._options(0), self.store)
+        self.group = await in_thread(make_group, self._options(0), self.store)
 
     def after_begin(self, replies: list[dict]) -> None:
         return None
@@ -205,7 +261,9 @@ class CollectiveChannel:
         if nbytes == 0:
             return None
         work = broadcast(self.group, self.buffers[slot][:nbytes])
-        return asyncio.to_thread(self._wait, work)
+        fut = in_thread(self._wait, work)
+        self._transfers = [f for f in self._transfers if not f.done()] + [fut]
+        return fut
 
     def _wait(self, work: Any) -> None:
         work.wait()
@@ -213,8 +271,9 @@ class CollectiveChannel:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        close_group(self.group)
-        self.group = None
+        group, self.group = self.group, None
+        transfers, self._transfers = self._transfers, []
+        release_group(group, transfers)
         self.store = None
         buffers, self.buffers = self.buffers, []
         _give_back(buffers, self.keep)

@@ -106,6 +106,7 @@ class _Update:
     sender_pid: int | None = None
     sender_start: float | None = None
     group: Any = None
+    stuck: list[Any] = field(default_factory=list)  # its collective calls given up that may still run
     watchdog: asyncio.Task | None = None
     assembler: Assembler = field(default_factory=Assembler)
     nbytes: int = 0
@@ -160,6 +161,9 @@ class WeightReceiver:
         self._watched: collections.deque[tuple[Any, Callable[[EngineFailed | None], None], float]] = \
             collections.deque()
         self._poller: asyncio.Task | None = None
+        # Set while a collective call of the open update (its rendezvous, a bucket's broadcast)
+        # holds the lock: ``interrupt`` gives that call up (see there).
+        self._abandon: asyncio.Future[None] | None = None
 
     async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> dict[str, Any]:
         """Apply one weights message; returns the Reply data. ``buffers`` are the message's
@@ -185,6 +189,34 @@ class WeightReceiver:
                         raise InvalidRequest(f"{msg.TYPE.value}: {exc}") from exc
                     raise
             return await self._handle(msg), None
+
+    def interrupt(self, msg: Any) -> bool:
+        """Hear of a message as it arrives, before it waits its turn: one that ends the open
+        update (its sender's abort, or a new begin: the sender gave this one up) gives up the
+        collective call that holds the receiver meanwhile, a rendezvous or a broadcast that a
+        peer stopped or gone would hold until the group's timeout. That call's message then
+        fails, and this one is handled now. Whether a call was given up."""
+        ends = isinstance(msg, WeightsBegin) or (isinstance(msg, WeightsEnd) and not msg.commit)
+        if ends and self._abandon is not None and not self._abandon.done():
+            self._abandon.set_result(None)
+            return True
+        return False
+
+    async def _collective(self, call: "asyncio.Future[Any]", what: str) -> Any:
+        """Wait for ``call`` (``collective.in_thread``) unless ``interrupt`` gives it up first."""
+        abandon = self._abandon = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait((call, abandon), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._abandon = None
+        if call.done():
+            return call.result()
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its end, whenever, is no one's
+        if self._update is not None:
+            self._update.stuck.append(call)  # its group is let go of once it has ended
+        # Its thread may still write into this update's buffers: none of them is reused.
+        self._mapped = {}
+        raise InvalidRequest(f"{what} given up: the update was ended by its sender while it waited")
 
     def watch(self, pending: Any, done: Callable[[EngineFailed | None], None]) -> None:
         """Call ``done(None)`` once the GPU work ``pending`` (from ``start``) is complete, or
@@ -428,7 +460,7 @@ class WeightReceiver:
         return True
 
     async def _open_collective(self, up: _Update, msg: WeightsBegin) -> None:
-        from .collective import make_group
+        from .collective import in_thread, make_group
 
         backend = msg.options.get("backend")
         device = self.device if backend == "nccl" else torch.device("cpu")
@@ -437,13 +469,33 @@ class WeightReceiver:
         # Private buffers, kept like the shm mappings: fresh memory each update costs a fault per page.
         descs = [{"size": s, "pool": f"local:{device}", "index": i} for i, s in enumerate(up.sizes)]
         up.buffers = self._reuse(descs, lambda d: torch.empty(d["size"], dtype=torch.uint8, device=device))
-        up.group = await asyncio.to_thread(make_group, dict(msg.options))
+        up.group = await self._collective(in_thread(make_group, dict(msg.options)), "the collective's rendezvous")
+
+    async def _skip_broadcast(self, up: _Update, msg: WeightsBucket) -> None:
+        """Join the broadcast of a bucket of a failed collective update all the same, into its
+        buffer, unused: the sender started that broadcast as it sent the bucket (before it heard
+        of the failure), and unpaired it would hold the sender, and every other rank, until the
+        group's timeout."""
+        if up.transport != "collective" or up.group is None:
+            return
+        try:
+            entries = [e for e in msg.tensors if not is_in_place(e)]
+            nbytes = bucket_nbytes(entries)
+            buf = up.buffers[msg.buffer]
+        except (TypeError, KeyError, IndexError, AttributeError):
+            return  # a bucket that says no size: the sender's broadcast cannot be matched
+        if 0 < nbytes <= buf.numel():
+            from .collective import broadcast, in_thread
+
+            work = broadcast(up.group, buf[:nbytes])
+            await self._collective(in_thread(work.wait), f"bucket {msg.index}'s broadcast")
 
     async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
         buffers = buffers or []
         up = self._current(msg.id)
         if up.failed:
             # It cannot be committed: applying more of it would only mix more of it in.
+            await self._skip_broadcast(up, msg)
             raise InvalidRequest(f"bucket {msg.index} not applied: an earlier bucket of update {up.uid} failed")
         if msg.index != up.num_buckets:  # one update's buckets come in order, each once
             raise ValueError(f"bucket index {msg.index} out of order: bucket {up.num_buckets} comes next")
@@ -472,10 +524,10 @@ class WeightReceiver:
                     warnings.simplefilter("ignore", UserWarning)
                     up.buffers[msg.buffer] = torch.frombuffer(buffers[0], dtype=torch.uint8, count=nbytes)
         if up.transport == "collective" and nbytes:
-            from .collective import broadcast
+            from .collective import broadcast, in_thread
 
             work = broadcast(up.group, up.buffers[msg.buffer][:nbytes])
-            await asyncio.to_thread(work.wait)
+            await self._collective(in_thread(work.wait), f"bucket {msg.index}'s broadcast")
         if not in_place:
             views = []
         elif up.transport == "shm":
@@ -648,10 +700,10 @@ class WeightReceiver:
             self._segments.end_update()  # the mappings this update did not name are closed
         up.assembler.clear()  # partial tensors; completed assembly space is kept for reuse
         if up.group is not None:
-            from .collective import close_group
+            from .collective import release_group
 
-            close_group(up.group)
-            up.group = None
+            group, up.group = up.group, None
+            release_group(group, up.stuck)  # (kept while a call given up still runs on it)
         if unlink:
             for name in up.names:
                 if shm.unlink(name):

@@ -2,12 +2,13 @@
 colocated (no weight sync), and a policy fleet beside a reward fleet in one group."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from rollfleet.actors import FleetConfig, FleetGroup, Supervisor, SyncClient
-from rollfleet.errors import FleetClosed, Unsupported
+from rollfleet.errors import FleetClosed, Unsupported, WeightUpdateError
 from rollfleet.transport.messages import SamplingParams
 
 from ..helpers import wait_for
@@ -75,6 +76,39 @@ async def test_standalone_fleet_moves_weights_over_the_collective():
         assert {w.transport for w in report.workers.values()} == {"collective"}
         r = await sup.client().generate("r", [3], SamplingParams(max_tokens=4))
         assert r.token_ids == expected_tokens([3], 4, offset=2) and r.weight_versions == [1]
+
+
+async def test_a_collective_update_refused_early_fails_at_once_and_never_holds_the_loop():
+    # Bucket 0 refused by the engine while the sender has buckets 1 and 2 broadcast already
+    # (three buffers): the worker refused those without joining their broadcasts, and the
+    # supervisor's group, let go of on its loop, waited for them until the group's timeout (30 s
+    # here; 120 s by default), the whole event loop held: no request, stats or abort meanwhile.
+    config = FleetConfig(engine="echo", num_workers=1,
+                         weights={"transport": "collective", "bucket_bytes": 1 << 20, "timeout_s": 30.0})
+    big = [(f"t{i}", torch.full((1 << 18,), float(i))) for i in range(20)]  # 1 MiB each: a bucket each
+    async with Supervisor(config) as sup:
+        await sup.update_weights(big + [("offset", torch.tensor([1]))], version=1)
+        worst, ticking = [0.0], True
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while ticking:
+                await asyncio.sleep(0.05)
+                worst[0], last = max(worst[0], time.monotonic() - last), time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        with pytest.raises(WeightUpdateError, match="fail"):
+            await sup.update_weights([("fail", torch.ones(4))] + big, version=2)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.5)
+        ticking = False
+        await ticker
+        assert took < 15 and worst[0] < 5, (took, worst[0])
+        report = await sup.update_weights(big + [("offset", torch.tensor([3]))], version=3)
+        assert {w.transport for w in report.workers.values()} == {"collective"}
+        r = await sup.client().generate("r", [3], SamplingParams(max_tokens=4))
+        assert r.token_ids == expected_tokens([3], 4, offset=3) and r.weight_versions == [3]
 
 
 async def test_colocated_policy_and_reward_fleets_in_one_group():

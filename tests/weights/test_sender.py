@@ -306,3 +306,36 @@ async def test_in_place_entries_are_refused_outside_cuda_ipc_and_fail_only_their
     assert engine.digests() == {n: digest(t) for n, t in weights}
     again = await WeightSender(WeightSyncConfig(transport="shm", bucket_bytes=4096)).update(weights, 5, [link])
     assert again.ok and rx.version == 5
+
+
+@pytest.mark.parametrize("ender", ["abort", "new-begin"])
+async def test_a_receiver_held_in_a_broadcast_gives_it_up_when_its_sender_ends_the_update(ender):
+    # Rank 0 joins the group but never broadcasts (its process stopped, say): the receiver's
+    # bucket waited until the group's timeout, holding the receiver, and the sender's abort or
+    # next begin waited behind it.
+    from rollfleet.weights.collective import make_group, open_store, release_group
+
+    rx = WeightReceiver(StoreEngine())
+    store = open_store("127.0.0.1", 60)
+    options = {"addr": "127.0.0.1", "port": store.port, "world_size": 2, "rank": 1, "backend": "gloo",
+               "prefix": "test/held", "timeout_s": 60}
+    root = asyncio.ensure_future(asyncio.to_thread(make_group, {**options, "rank": 0}, store))
+    await rx.handle(WeightsBegin(id="w1.begin", version=1, transport="collective", bucket_bytes=64,
+                                 buffers=[{"size": 64}], options=options))
+    group = await root
+    try:
+        entry = {"name": "x", "dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}
+        bucket = asyncio.ensure_future(rx.handle(WeightsBucket(id="w1.0", index=0, buffer=0, tensors=[entry])))
+        await asyncio.sleep(0.5)
+        assert not bucket.done()  # held in the broadcast rank 0 never starts
+        end = (WeightsEnd(id="w1.end", version=1, commit=False) if ender == "abort" else
+               WeightsBegin(id="w2.begin", version=2, transport="zmq", bucket_bytes=64, buffers=[{"size": 64}]))
+        assert rx.interrupt(end)  # as the worker does on its arrival
+        with pytest.raises(InvalidRequest, match="given up"):
+            await asyncio.wait_for(bucket, 5)
+        answer = await asyncio.wait_for(rx.handle(end), 5)
+        assert answer.get("aborted") if ender == "abort" else rx._update.uid == "w2"
+        assert not rx.interrupt(end)  # nothing is held any more
+    finally:
+        release_group(group)
+        del group
