@@ -45,6 +45,10 @@ class WorkerHandle:
         self.pid = proc.pid
         self.capabilities: list[str] = []
         self.weight_version = 0
+        # Holds the weights it started with, as no update (nor catch-up) has reached it: what it
+        # serves then is not the fleet's, whatever the version numbers say (an update may be
+        # labelled 0 too).
+        self.initial_weights = True
         self.num_tokens = 0
         self.last_heartbeat = time.monotonic()
         self.last_error = ""  # why this incarnation failed or is being ended; "" while it is fine

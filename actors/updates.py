@@ -75,8 +75,9 @@ class WeightSync:
 
     # ------------------------------------------------------------------ catch-up
     def needs_catch_up(self, handle: WorkerHandle) -> bool:
+        # (a source exists once a base update has committed: sent again, it is never wrong)
         has_source = self._source is not None or self._last is not None
-        return has_source and handle.weight_version != self.sup.weight_version
+        return has_source and (handle.weight_version != self.sup.weight_version or handle.initial_weights)
 
     async def catch_up(self, handle: WorkerHandle) -> None:
         """Bring a (re)started worker to the fleet's current version before it serves."""
@@ -90,6 +91,7 @@ class WeightSync:
         logger.info("bringing worker %s to weight version %d", handle.worker_id, version)
         await self._sender().update(self._restore(), version, [handle])
         handle.weight_version = version
+        handle.initial_weights = False
 
     def _restore(self) -> NamedTensors:
         """What brings a worker from its initial weights to the current version."""
@@ -226,7 +228,8 @@ class WeightSync:
                 if not links:
                     raise WeightUpdateError("no ready worker to update")
                 # Ready below the fleet's version: restarted with nothing kept to catch it up.
-                behind = [h for h in links if h.weight_version != sup.weight_version]
+                behind = [h for h in links if h.weight_version != sup.weight_version
+                          or (h.initial_weights and self._names_ever_sent)]
                 try:
                     report = await sender.update(tensors, version, links, lora=lora)
                 except WeightUpdateError as exc:
@@ -244,6 +247,8 @@ class WeightSync:
                     raise
                 for h in links:
                     h.weight_version = version
+                    if not keep_lora:
+                        h.initial_weights = False
                 sup.weight_version = version
                 if not keep_lora:
                     missed = self._names_ever_sent - sent if behind else set()

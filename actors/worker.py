@@ -292,8 +292,10 @@ class EngineWorker:
             self._send(Reply(id=msg.id, data=self.stats()))
         elif isinstance(msg, (WeightsBegin, WeightsBucket, WeightsEnd)):
             if self._receiver is not None and self._receiver.interrupt(msg):
-                logger.warning("%s: the update's collective call given up: %s came while it waited", self.worker_id,
-                               msg.TYPE.value)
+                from ..weights.receiver import INTERRUPT_GRACE_S
+
+                logger.info("%s: %s came while a collective call of the update waited: it is given up unless it "
+                            "ends within %.0f s", self.worker_id, msg.TYPE.value, INTERRUPT_GRACE_S)
             self._spawn(self._weights(msg, buffers))
         elif isinstance(msg, Shutdown):
             self._stop.set()

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import datetime
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -140,27 +142,27 @@ def in_thread(fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
     return fut
 
 
-def release_group(group: Any, pending: Any = ()) -> None:
-    """``close_group``; the group is let go of at once, unless a call of ``pending`` (futures of
-    ``in_thread``: broadcasts a peer never joined, a rendezvous given up) still runs: then once
-    the last of them has ended. A gloo group's destructor waits for its pending broadcasts (up to
-    the group's timeout), and must not hold the event loop that long."""
+def release_group(group: Any) -> None:
+    """``close_group``, and the group let go of on a thread of its own once the caller's
+    references to it are gone: a gloo group's destructor waits until its peers have taken what
+    it sent (a broadcast that a peer gave up on, or never joined, holds it until the group's
+    timeout, though rank 0's side of it ended long before), and must not hold the event loop
+    that long. Not a daemon thread: an exit cut short in gloo's C++ code would be an abort."""
     if group is None:
         return
     close_group(group)
-    left = [f for f in pending if not f.done()]
-    if not left:
-        return  # the caller's reference goes, and with it the group, nothing holding it up
     holder = [group]
-    count = [len(left)]
+    del group
 
-    def ended(_: Any) -> None:
-        count[0] -= 1
-        if count[0] == 0:
-            holder.clear()  # nothing pending any more: its destructor does not wait
+    def drop() -> None:
+        deadline = time.monotonic() + 5.0
+        # 2: the holder's reference and getrefcount's own; the caller's (an attribute it has
+        # cleared, a local of its frame) go within moments.
+        while sys.getrefcount(holder[0]) > 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        holder.clear()
 
-    for fut in left:
-        fut.add_done_callback(ended)
+    threading.Thread(target=drop, name="rollfleet-collective-release").start()
 
 
 # Rank 0's buffers kept between updates (fresh memory costs a page fault per page).
@@ -222,7 +224,6 @@ class CollectiveChannel:
         self.buffers: list[torch.Tensor] = []
         self.store: Any = None
         self.group: Any = None
-        self._transfers: list[asyncio.Future[Any]] = []  # broadcasts started, to know which still run
 
     def allocate(self, size: int, num_buffers: int, capacity: int | None = None) -> None:
         self.buffers = _take(self.device, size, num_buffers, capacity or size)
@@ -261,9 +262,7 @@ class CollectiveChannel:
         if nbytes == 0:
             return None
         work = broadcast(self.group, self.buffers[slot][:nbytes])
-        fut = in_thread(self._wait, work)
-        self._transfers = [f for f in self._transfers if not f.done()] + [fut]
-        return fut
+        return in_thread(self._wait, work)
 
     def _wait(self, work: Any) -> None:
         work.wait()
@@ -272,8 +271,7 @@ class CollectiveChannel:
 
     def close(self) -> None:
         group, self.group = self.group, None
-        transfers, self._transfers = self._transfers, []
-        release_group(group, transfers)
+        release_group(group)
         self.store = None
         buffers, self.buffers = self.buffers, []
         _give_back(buffers, self.keep)

@@ -61,6 +61,9 @@ __all__ = ["WeightReceiver"]
 
 logger = logging.getLogger(__name__)
 
+INTERRUPT_GRACE_S = 2.0
+"""How long the collective calls of an update its sender ended may still take (``interrupt``)."""
+
 FINISH_POLL_S = 0.02
 """How long the oldest bucket's GPU copies are polled (see ``watch``) before a thread waits
 for them."""
@@ -106,7 +109,6 @@ class _Update:
     sender_pid: int | None = None
     sender_start: float | None = None
     group: Any = None
-    stuck: list[Any] = field(default_factory=list)  # its collective calls given up that may still run
     watchdog: asyncio.Task | None = None
     assembler: Assembler = field(default_factory=Assembler)
     nbytes: int = 0
@@ -161,9 +163,11 @@ class WeightReceiver:
         self._watched: collections.deque[tuple[Any, Callable[[EngineFailed | None], None], float]] = \
             collections.deque()
         self._poller: asyncio.Task | None = None
-        # Set while a collective call of the open update (its rendezvous, a bucket's broadcast)
-        # holds the lock: ``interrupt`` gives that call up (see there).
-        self._abandon: asyncio.Future[None] | None = None
+        # While a collective call (a rendezvous, a bucket's broadcast) holds the lock: a future
+        # that gives it up, and its update's id; and what the last message that ended an update
+        # said: (its id, whether it ends every other update instead, until when calls may run).
+        self._abandon: tuple[asyncio.Future[None], str] | None = None
+        self._cutoff: tuple[str, bool, float] | None = None
 
     async def handle(self, msg: WeightsBegin | WeightsBucket | WeightsEnd, buffers: list[Any] | None = None) -> dict[str, Any]:
         """Apply one weights message; returns the Reply data. ``buffers`` are the message's
@@ -191,29 +195,48 @@ class WeightReceiver:
             return await self._handle(msg), None
 
     def interrupt(self, msg: Any) -> bool:
-        """Hear of a message as it arrives, before it waits its turn: one that ends the open
-        update (its sender's abort, or a new begin: the sender gave this one up) gives up the
-        collective call that holds the receiver meanwhile, a rendezvous or a broadcast that a
-        peer stopped or gone would hold until the group's timeout. That call's message then
-        fails, and this one is handled now. Whether a call was given up."""
-        ends = isinstance(msg, WeightsBegin) or (isinstance(msg, WeightsEnd) and not msg.commit)
-        if ends and self._abandon is not None and not self._abandon.done():
-            self._abandon.set_result(None)
-            return True
-        return False
+        """Hear of a message as it arrives, before it waits its turn. One that ends an update (its
+        sender's abort, or the begin of another: the sender gave that one up) leaves that
+        update's collective calls (a rendezvous, a broadcast) ``INTERRUPT_GRACE_S`` to end, the
+        one that holds the receiver now and those of its buckets still queued: the broadcasts
+        the sender started end within that, while one that a peer stopped or gone holds up would
+        last until the group's timeout, and the abort with it. Such a call's message then fails,
+        and the abort is answered. Whether a call was under way."""
+        if isinstance(msg, WeightsEnd) and not msg.commit:
+            uid, others = _update_id(msg.id), False
+        elif isinstance(msg, WeightsBegin):
+            uid, others = _update_id(msg.id), True  # every update but this one
+        else:
+            return False
+        loop = asyncio.get_running_loop()
+        self._cutoff = (uid, others, loop.time() + INTERRUPT_GRACE_S)
+        pending = self._abandon
+        if pending is None or pending[0].done() or not self._cut(pending[1]):
+            return False
+        loop.call_later(INTERRUPT_GRACE_S, lambda: pending[0].done() or pending[0].set_result(None))
+        return True
 
-    async def _collective(self, call: "asyncio.Future[Any]", what: str) -> Any:
+    def _cut(self, uid: str) -> float | None:
+        """When a collective call of update ``uid`` is given up (``interrupt``); None: never."""
+        if self._cutoff is None:
+            return None
+        ended, others, deadline = self._cutoff
+        return deadline if (uid != ended if others else uid == ended) else None
+
+    async def _collective(self, call: "asyncio.Future[Any]", uid: str, what: str) -> Any:
         """Wait for ``call`` (``collective.in_thread``) unless ``interrupt`` gives it up first."""
-        abandon = self._abandon = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        abandon: asyncio.Future[None] = loop.create_future()
+        self._abandon = (abandon, uid)
+        cut = self._cut(uid)
         try:
-            await asyncio.wait((call, abandon), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((call, abandon), return_when=asyncio.FIRST_COMPLETED,
+                               timeout=None if cut is None else max(0.0, cut - loop.time()))
         finally:
             self._abandon = None
         if call.done():
             return call.result()
         call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its end, whenever, is no one's
-        if self._update is not None:
-            self._update.stuck.append(call)  # its group is let go of once it has ended
         # Its thread may still write into this update's buffers: none of them is reused.
         self._mapped = {}
         raise InvalidRequest(f"{what} given up: the update was ended by its sender while it waited")
@@ -469,7 +492,8 @@ class WeightReceiver:
         # Private buffers, kept like the shm mappings: fresh memory each update costs a fault per page.
         descs = [{"size": s, "pool": f"local:{device}", "index": i} for i, s in enumerate(up.sizes)]
         up.buffers = self._reuse(descs, lambda d: torch.empty(d["size"], dtype=torch.uint8, device=device))
-        up.group = await self._collective(in_thread(make_group, dict(msg.options)), "the collective's rendezvous")
+        up.group = await self._collective(in_thread(make_group, dict(msg.options)), up.uid,
+                                          "the collective's rendezvous")
 
     async def _skip_broadcast(self, up: _Update, msg: WeightsBucket) -> None:
         """Join the broadcast of a bucket of a failed collective update all the same, into its
@@ -488,7 +512,7 @@ class WeightReceiver:
             from .collective import broadcast, in_thread
 
             work = broadcast(up.group, buf[:nbytes])
-            await self._collective(in_thread(work.wait), f"bucket {msg.index}'s broadcast")
+            await self._collective(in_thread(work.wait), up.uid, f"bucket {msg.index}'s broadcast")
 
     async def _bucket(self, msg: WeightsBucket, buffers: list[Any] | None = None) -> tuple[dict[str, Any], Any]:
         buffers = buffers or []
@@ -527,7 +551,7 @@ class WeightReceiver:
             from .collective import broadcast, in_thread
 
             work = broadcast(up.group, up.buffers[msg.buffer][:nbytes])
-            await self._collective(in_thread(work.wait), f"bucket {msg.index}'s broadcast")
+            await self._collective(in_thread(work.wait), up.uid, f"bucket {msg.index}'s broadcast")
         if not in_place:
             views = []
         elif up.transport == "shm":
@@ -703,7 +727,7 @@ class WeightReceiver:
             from .collective import release_group
 
             group, up.group = up.group, None
-            release_group(group, up.stuck)  # (kept while a call given up still runs on it)
+            release_group(group)  # (not on this loop: its destructor may wait for a peer)
         if unlink:
             for name in up.names:
                 if shm.unlink(name):

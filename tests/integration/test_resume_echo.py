@@ -249,6 +249,23 @@ async def test_restarted_worker_is_brought_to_the_current_version_before_serving
         assert [w["weight_version"] for w in workers] == [3, 3]
 
 
+@pytest.mark.parametrize("kept", ["kept-copy", "callable"])
+async def test_a_worker_restarted_after_an_update_labelled_version_0_is_caught_up_all_the_same(kept):
+    # Its initial weights are version 0 too: the numbers alone said it was not behind, and it
+    # served them beside the updated workers, under the same version.
+    async with fleet(2, tokens_per_s=0, deterministic_routing=True) as sup:
+        client = sup.client()
+        await client.update_weights(offset(5) if kept == "kept-copy" else (lambda: offset(5)), version=0)
+        victim = sup.slots[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert await wait_for(lambda: sup.slots[0] is not victim and sup.slots[0].state.value == "ready", 15.0)
+        workers = (await sup.stats())["workers"]
+        assert [(w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == [(0, 5), (0, 5)]
+        for i in range(4):
+            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=4))
+            assert r.token_ids == expected_tokens([4], 4, offset=5) and r.weight_versions == [0]
+
+
 async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_weights():
     async with fleet(2) as sup:
         client = sup.client()
