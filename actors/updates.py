@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -239,10 +240,11 @@ class WeightSync:
                     logger.error("weight update to version %d failed: %s", version, exc)
                     await self._repair(links, sent if lora is None else set())
                     raise
-                except asyncio.CancelledError:
-                    # The caller gave up on it (a timeout, say): the sender abandoned it on the
-                    # workers, which may hold part of it, as after a failure.
-                    logger.warning("weight update to version %d was cancelled", version)
+                except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                    # The caller gave up on it (a timeout, say, or a Ctrl-C in its generator):
+                    # the sender abandoned it on the workers, which may hold part of it, as
+                    # after a failure.
+                    logger.warning("weight update to version %d was given up (%s)", version, type(sys.exc_info()[1]).__name__)
                     await self._repair(links, sent if lora is None else set())
                     raise
                 for h in links:

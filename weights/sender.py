@@ -373,7 +373,7 @@ class WeightSender:
             if begun:
                 failed = exc.worker_id if isinstance(exc, _LinkFailed) else None
                 await self._abort(uid, version, links, failed)
-            if isinstance(exc, asyncio.CancelledError):
+            if not isinstance(exc, Exception):  # cancelled, or a KeyboardInterrupt / SystemExit from the tensors' generator
                 raise
             raise self._error(exc, report, started) from (exc.cause if isinstance(exc, _LinkFailed) else exc)
         finally:

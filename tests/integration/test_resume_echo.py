@@ -266,6 +266,44 @@ async def test_a_worker_restarted_after_an_update_labelled_version_0_is_caught_u
             assert r.token_ids == expected_tokens([4], 4, offset=5) and r.weight_versions == [0]
 
 
+def test_a_ctrl_c_in_the_tensors_generator_comes_out_as_itself_and_the_fleet_is_put_back():
+    # It came out as WeightUpdateError. Run apart: a KeyboardInterrupt that left the test's own
+    # event loop would stop the test session.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import asyncio, torch
+        from rollfleet.actors import FleetConfig, Supervisor
+        from rollfleet.transport.messages import SamplingParams
+
+        async def main():
+            async with Supervisor(FleetConfig(engine="echo", num_workers=1)) as sup:
+                await sup.update_weights([("offset", torch.tensor([2]))], version=1)
+
+                def tensors():
+                    yield "offset", torch.tensor([9])
+                    yield "big", torch.zeros(1 << 20)  # a second bucket: the first has gone out
+                    raise KeyboardInterrupt
+
+                try:
+                    await sup.update_weights(tensors(), version=2)
+                except KeyboardInterrupt:
+                    print("KeyboardInterrupt", flush=True)
+                stats = await sup.stats()
+                result = await sup.client().generate("r", [4], SamplingParams(max_tokens=3))
+                print(stats["weight_version"], [w["engine_stats"]["offset"] for w in stats["workers"]],
+                      result.weight_versions, result.token_ids, flush=True)
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["KeyboardInterrupt", f"1 [2] [1] {expected_tokens([4], 3, offset=2)}"], \
+        out.stdout + out.stderr
+
+
 async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_weights():
     async with fleet(2) as sup:
         client = sup.client()
