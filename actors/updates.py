@@ -115,22 +115,44 @@ class WeightSync:
         """Whether every tensor a failed update may have reached a worker with can be put back."""
         return self._source is not None or (self._last is not None and sent <= self._last.keys())
 
+    async def _repair_to_the_end(self, links: list[WorkerHandle], sent: set[str]) -> None:
+        """``_repair``, run to its end though the caller be cancelled meanwhile (a timeout that
+        fires as the update fails): the cancel is raised once it is done. Stopped half-way, it
+        left workers holding part of the failed update to serve once the fleet went on."""
+        repair = asyncio.ensure_future(self._repair(links, sent))
+        cancelled = False
+        while not repair.done():
+            try:
+                await asyncio.shield(repair)
+            except asyncio.CancelledError:
+                cancelled = cancelled or not repair.done()  # (its own cancel, at shutdown, ends the wait)
+        if cancelled:
+            repair.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise asyncio.CancelledError
+        repair.result()
+
     async def _repair(self, links: list[WorkerHandle], sent: set[str]) -> None:
         """After a failed update that had sent the tensors ``sent``: a worker that applied part
         of it before the failure reports version -1 (its weights are a mix), one that committed
         it the update's version; bring it back to the last good version, or restart it when that
         cannot be rebuilt (a restart loads the initial weights)."""
-        from ..transport.messages import Stats
+        from ..transport.messages import WeightsEnd
 
         for handle in links:
             if not handle.alive:
                 continue
             try:
-                data = await handle.call(Stats(id=handle.next_call_id()), self.sup.config.call_timeout_s)
+                # An abort of no update, asked behind the update's own messages (a worker takes
+                # weights messages in turn, stats at once): its answer says what the worker holds
+                # once it has dealt with every one of them, buckets still queued and the abort
+                # included (a stalled worker answered stats with the version before, then applied
+                # its queued buckets and served them).
+                check = WeightsEnd(id=handle.next_call_id(), version=self.sup.weight_version, commit=False)
+                data = await handle.call(check, self.sup.config.call_timeout_s)
             except Exception as exc:  # dead or hung: the death path takes it from here
                 logger.warning("could not check worker %s after a failed update: %s", handle.worker_id, exc)
                 continue
-            handle.weight_version = int(data.get("weight_version", handle.weight_version))
+            handle.weight_version = int(data.get("version", handle.weight_version))
             if handle.weight_version == self.sup.weight_version:
                 continue
             # At -1 it holds part of the update; at another version, all of it (it committed while
@@ -238,14 +260,14 @@ class WeightSync:
                     if sup.closed:  # its workers left because the fleet shut down: nothing to repair
                         raise FleetClosed(f"the fleet shut down during the update to weight version {version}") from exc
                     logger.error("weight update to version %d failed: %s", version, exc)
-                    await self._repair(links, sent if lora is None else set())
+                    await self._repair_to_the_end(links, sent if lora is None else set())
                     raise
                 except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                     # The caller gave up on it (a timeout, say, or a Ctrl-C in its generator):
                     # the sender abandoned it on the workers, which may hold part of it, as
                     # after a failure.
                     logger.warning("weight update to version %d was given up (%s)", version, type(sys.exc_info()[1]).__name__)
-                    await self._repair(links, sent if lora is None else set())
+                    await self._repair_to_the_end(links, sent if lora is None else set())
                     raise
                 for h in links:
                     h.weight_version = version

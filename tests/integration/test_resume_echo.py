@@ -304,6 +304,77 @@ def test_a_ctrl_c_in_the_tensors_generator_comes_out_as_itself_and_the_fleet_is_
         out.stdout + out.stderr
 
 
+async def test_a_worker_that_stalls_past_the_update_timeout_is_put_back_after_its_queued_buckets():
+    # The update fails on the stalled worker; the check of what it holds came by stats, which it
+    # answered at once with the version before, and only then took its queued buckets and the
+    # abort: it served part of the failed update, READY, at -1.
+    def update(value, pads=3000):
+        yield "offset", torch.tensor([value])
+        for i in range(pads):
+            yield f"pad{i}", torch.zeros(4096)
+
+    async with fleet(2, tokens_per_s=0, deterministic_routing=True, weights={"timeout_s": 1.0}) as sup:
+        client = sup.client()
+        for _ in range(5):  # an echo worker's first update imports torch, which may take over 1 s
+            try:
+                await client.update_weights(update(3), version=1)
+                break
+            except WeightUpdateError:
+                await asyncio.sleep(2)
+        assert sup.weight_version == 1
+        victim = sup.slots[1]
+        task = asyncio.create_task(client.update_weights(update(50), version=2, bucket_bytes=1 << 14))
+        await asyncio.sleep(0.3)
+        os.kill(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(3)  # past the update's 1 s, short of the heartbeat timeout
+        os.kill(victim.pid, signal.SIGCONT)
+        with pytest.raises(WeightUpdateError):
+            await task
+        await asyncio.sleep(1.0)
+        workers = (await sup.stats())["workers"]
+        assert [(w["state"], w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == \
+            [("ready", 1, 3), ("ready", 1, 3)]
+        for i in range(4):
+            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=3), session_id=f"s{i}")
+            assert r.token_ids == expected_tokens([4], 3, offset=3) and r.weight_versions == [1]
+
+
+async def test_an_update_cancelled_as_it_fails_still_puts_every_worker_back_before_the_fleet_goes_on():
+    # The cancel lands as the repair begins (timed by the failure's log record, where a caller's
+    # timeout may fire): the repair stopped there, and the workers it had not reached served the
+    # failed update's weights at -1 once the fleet went on.
+    def update(value, fail):
+        yield "offset", torch.tensor([value])
+        for i in range(20):
+            yield f"pad{i}", torch.zeros(4096)
+        yield "fail", torch.ones(4) if fail else torch.zeros(0)  # (an empty one loads)
+
+    async with fleet(2, tokens_per_s=0, deterministic_routing=True) as sup:
+        client = sup.client()
+        await client.update_weights(update(3, False), version=1)
+        task: asyncio.Task | None = None
+
+        class CancelOnFailure(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "failed" in record.getMessage() and task is not None and not task.done():
+                    asyncio.get_running_loop().call_soon(task.cancel)
+
+        hook = CancelOnFailure()
+        logging.getLogger("rollfleet.actors.updates").addHandler(hook)
+        try:
+            task = asyncio.create_task(client.update_weights(update(50, True), version=2, bucket_bytes=4096))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            logging.getLogger("rollfleet.actors.updates").removeHandler(hook)
+        workers = (await sup.stats())["workers"]
+        assert [(w["state"], w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == \
+            [("ready", 1, 3), ("ready", 1, 3)]
+        for i in range(4):
+            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=3), session_id=f"s{i}")
+            assert r.token_ids == expected_tokens([4], 3, offset=3) and r.weight_versions == [1]
+
+
 async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_weights():
     async with fleet(2) as sup:
         client = sup.client()
