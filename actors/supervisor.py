@@ -1460,8 +1460,12 @@ class Supervisor:
         ``named_tensors`` is an iterable of (name, tensor), consumed lazily (a generator lets
         an FSDP trainer gather one parameter at a time), a mapping of name to tensor (a
         ``state_dict()``), or a callable returning either (then it is called again to bring
-        restarted workers up to date). A name given twice is loaded twice, the last one
-        winning; an empty update loads nothing and stamps the version. Running requests are
+        restarted workers up to date, and to put back workers a failed update reached: it must
+        yield every tensor of the model, not only those that changed). A name given twice is
+        loaded twice, the last one winning; an empty update loads nothing and stamps the
+        version. A tensor yielded must hold its values until the call returns: the next item
+        is taken before the bucket that holds the last one is sent (a generator that refills
+        one buffer for every tensor sends the later contents). Running requests are
         interrupted and, unless they asked for hard abort, resume afterwards with their
         partial output. Returns a weights.UpdateReport.
 
