@@ -83,6 +83,9 @@ def hooked_workers(tmp_path) -> dict[str, str]:
             "ENGINE_FAULT_MARKER": str(tmp_path / "fired"), "LOAD_FAULT_MARKER": str(tmp_path / "kill-on-load")}
 
 
+LONG = 500  # tokens (of the tiny model's context of 512): the greedy requests still run when the killer comes
+
+
 async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_resume(tmp_path):
     env = hooked_workers(tmp_path)
     marker = tmp_path / "fired"
@@ -91,15 +94,18 @@ async def test_a_dead_torch_engine_thread_restarts_its_worker_and_its_requests_r
     async with sup:
         pids = worker_pids(sup)
         client = sup.client()
-        greedy = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
         tasks = [asyncio.create_task(client.generate(f"r{i}", [1, 10 + i], greedy)) for i in range(6)]
-        await asyncio.sleep(0.2)  # they are decoding when the killer comes
+        # They are decoding on both workers when the killer comes (long enough not to be done by
+        # the time it is: 300 tokens could all be made before it, on a fast machine).
+        assert await wait_for(lambda: len({e.worker_id for e in sup.table if e.worker_id}) == 2
+                              and sum(1 for e in sup.table if e.worker_id) == 6, 30)
         sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=424242, ignore_eos=True)
         tasks.append(asyncio.create_task(client.generate("killer", KILLER_PROMPT, sampled)))
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert marker.exists()  # the engine thread of one worker did die
         for r in results:
-            assert r.finish_reason == "length" and len(r.token_ids) == (40 if r.request_id == "killer" else 300)
+            assert r.finish_reason == "length" and len(r.token_ids) == (40 if r.request_id == "killer" else LONG)
         killer = results[-1]
         # It resumed on the other worker; so did the requests running beside it. (Its first
         # segment may hold no token: one made just before the death may not have been reported.)
