@@ -304,6 +304,16 @@ def test_a_ctrl_c_in_the_tensors_generator_comes_out_as_itself_and_the_fleet_is_
         out.stdout + out.stderr
 
 
+async def assert_both_serve_version_1_offset_3(sup):
+    """Both workers of ``sup`` ready at version 1 with offset 3, and serving it."""
+    workers = (await sup.stats())["workers"]
+    assert [(w["state"], w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == \
+        [("ready", 1, 3), ("ready", 1, 3)]
+    for i in range(4):
+        r = await sup.client().generate(f"after{i}", [4], SamplingParams(max_tokens=3), session_id=f"s{i}")
+        assert r.token_ids == expected_tokens([4], 3, offset=3) and r.weight_versions == [1]
+
+
 async def test_a_worker_that_stalls_past_the_update_timeout_is_put_back_after_its_queued_buckets():
     # The update fails on the stalled worker; the check of what it holds came by stats, which it
     # answered at once with the version before, and only then took its queued buckets and the
@@ -331,12 +341,7 @@ async def test_a_worker_that_stalls_past_the_update_timeout_is_put_back_after_it
         with pytest.raises(WeightUpdateError):
             await task
         await asyncio.sleep(1.0)
-        workers = (await sup.stats())["workers"]
-        assert [(w["state"], w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == \
-            [("ready", 1, 3), ("ready", 1, 3)]
-        for i in range(4):
-            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=3), session_id=f"s{i}")
-            assert r.token_ids == expected_tokens([4], 3, offset=3) and r.weight_versions == [1]
+        await assert_both_serve_version_1_offset_3(sup)
 
 
 async def test_an_update_cancelled_as_it_fails_still_puts_every_worker_back_before_the_fleet_goes_on():
@@ -367,12 +372,7 @@ async def test_an_update_cancelled_as_it_fails_still_puts_every_worker_back_befo
                 await task
         finally:
             logging.getLogger("rollfleet.actors.updates").removeHandler(hook)
-        workers = (await sup.stats())["workers"]
-        assert [(w["state"], w["weight_version"], w["engine_stats"]["offset"]) for w in workers] == \
-            [("ready", 1, 3), ("ready", 1, 3)]
-        for i in range(4):
-            r = await client.generate(f"after{i}", [4], SamplingParams(max_tokens=3), session_id=f"s{i}")
-            assert r.token_ids == expected_tokens([4], 3, offset=3) and r.weight_versions == [1]
+        await assert_both_serve_version_1_offset_3(sup)
 
 
 async def test_failed_first_update_restarts_the_workers_it_left_with_a_mix_of_weights():

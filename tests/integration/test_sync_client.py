@@ -153,6 +153,13 @@ def test_a_client_dropped_without_shutdown_stops_its_fleet_at_once(tmp_path):
     assert out.stdout.split() == ["False", "False", "False"], out.stdout + out.stderr
 
 
+def holding_the_loop(release, seconds):
+    """Weights whose generator holds the fleet's loop thread until ``release`` is set (at most
+    ``seconds``), as a collective that never completes would."""
+    yield "offset", torch.tensor([0])
+    release.wait(seconds)
+
+
 def test_shutdown_with_the_loop_blocked_in_a_weight_generator_kills_the_workers_promptly(tmp_path):
     # Ctrl-C while update_weights pulls a generator that blocks (a collective that never
     # completes): the loop cannot run a shutdown, so the workers are killed from this thread
@@ -162,12 +169,8 @@ def test_shutdown_with_the_loop_blocked_in_a_weight_generator_kills_the_workers_
     private_dir = fleet.supervisor.private_dir
     release = threading.Event()
 
-    def stuck():
-        yield "offset", torch.tensor([0])
-        release.wait(60)  # the loop thread is held here
-
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        update = pool.submit(fleet.update_weights, stuck(), 1)
+        update = pool.submit(fleet.update_weights, holding_the_loop(release, 60), 1)
         time.sleep(0.5)
         t0 = time.monotonic()
         fleet.shutdown()
@@ -273,13 +276,8 @@ def test_a_call_timeout_is_kept_even_while_the_loop_is_blocked_in_a_weight_gener
     # the calling thread gives up a second after it (generate waited for the loop to be free).
     with SyncClient(FleetConfig(engine="echo", num_workers=1)) as fleet:
         release = threading.Event()
-
-        def stuck():
-            yield "offset", torch.tensor([0])
-            release.wait(30)  # the loop thread is held here
-
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            update = pool.submit(fleet.update_weights, stuck(), 1)
+            update = pool.submit(fleet.update_weights, holding_the_loop(release, 30), 1)
             time.sleep(0.5)
             for call in (lambda: fleet.generate("g", [1], SamplingParams(max_tokens=2), timeout=1),
                          lambda: fleet.generate_batch([[1], [2]], SamplingParams(max_tokens=2), timeout=1),
